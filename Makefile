@@ -1,0 +1,44 @@
+# Two commands for a new machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# What the build itself needs (pyproject.toml [build-system]); installed into
+# the venv so the editable build can skip pip's isolated build environment.
+BUILD_DEPS := "setuptools>=64" wheel "tensorflow-cpu>=2.21,<2.22" "grpcio-tools>=1.85.1,<1.86"
+OPS_SOURCES := $(shell find ops -name '*.cc' -o -name '*.h')
+PROTOS := $(shell find protos -name '*.proto')
+STAMP := $(VENV)/.prophet_tf-installed
+
+.PHONY: demo test install build bench clean
+
+demo: build
+	$(PY) examples/demo.py
+
+test: build
+	$(PY) -m pytest -q -p no:cacheprovider
+
+install: $(STAMP)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(VENV)/bin/python pyproject.toml setup.py
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(BUILD_DEPS)
+	$(PIP) install -q --no-build-isolation -e ".[test,examples]"
+	touch $@
+
+# Rebuild the op library and the generated gRPC code when their sources change.
+build: $(STAMP) prophet_tf/_prophet_ops.so
+
+prophet_tf/_prophet_ops.so: $(OPS_SOURCES) $(PROTOS) $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+bench: build
+	$(PY) benchmarks/bench_ops.py
+	$(PY) benchmarks/bench_transport.py
+
+clean:
+	rm -rf build *.egg-info prophet_tf/_prophet_ops.so prophet_tf/_build_info.json \
+	  prophet_tf/ps/v1/*_pb2*.py prophet_tf/ps/v1/*_pb2*.pyi

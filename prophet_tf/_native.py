@@ -1,0 +1,498 @@
+"""The one module that loads prophet_tf's native code.
+
+``_prophet_ops.so`` holds the TensorFlow ops (``ReadyStamp``, ``PushGrad``,
+``AwaitParam``) and a small C API the engine drives through ctypes: the stamp
+buffer, the gradient queue and the parameter staging area. The library is
+loaded twice, by ``tf.load_op_library`` and by ``ctypes.CDLL`` on the same
+path; the second load uses ``RTLD_NOLOAD`` so it can only attach to the image
+TensorFlow already loaded, which is what makes the kernels and the engine share
+one set of queues.
+
+Nothing is loaded at import time. ``load()`` (or any wrapper) loads on first
+use and raises ``ImportError`` with a rebuild hint when the library is missing
+or was built against another TensorFlow; ``ops_available()`` never raises.
+
+The ops are registered non-stateful so that tf.function's automatic control
+dependencies do not serialise them (see ops/ops.cc): their outputs must be
+consumed or they are pruned. Constant folding is refused by the kernels, so
+constant inputs are fine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import json
+import logging
+import os
+import pathlib
+import threading
+from typing import Any, NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = [
+    "StampKind", "STAMP_DTYPE", "Grad", "RuntimeAbortedError", "ops_available", "load",
+    "ready_stamp", "push_grad", "await_param", "drain_stamps", "stamps_dropped", "stamp",
+    "now_ns", "next_grad", "release_grad", "declare_param", "freeze_param", "deliver_begin",
+    "deliver_commit", "deliver_cancel", "deliver", "param_version", "abort", "reset",
+]
+
+logger = logging.getLogger(__name__)
+
+LIBRARY_NAME = "_prophet_ops.so"
+BUILD_INFO_NAME = "_build_info.json"
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+REBUILD_HINT = ("Rebuild it from the prophet_tf checkout with `pip install -e .` or "
+                "`python setup.py build_ext --inplace`.")
+
+
+class StampKind(enum.IntEnum):
+    """Kinds of stamp records. Engine events recorded with `stamp` use kinds >= 16."""
+
+    READY = 0        # a gradient is ready (ReadyStamp / PushGrad ran)
+    AWAIT_BEGIN = 1  # AwaitParam started waiting
+    AWAIT_END = 2    # AwaitParam completed: the layer's forward can start
+    DELIVER = 3      # the engine committed a parameter value (step = version)
+
+
+# Layout of the C struct ProphetStamp (32 bytes).
+STAMP_DTYPE = np.dtype({"names": ["key", "step", "t_ns", "kind"],
+                        "formats": [np.int64, np.int64, np.int64, np.int32],
+                        "offsets": [0, 8, 16, 24], "itemsize": 32})
+
+# Return codes of the C API.
+_OK, _ABORTED, _INVALID, _UNDECLARED, _VERSION_ORDER, _NO_DELIVERY, _CONFLICT = range(0, -7, -1)
+
+_SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+class RuntimeAbortedError(RuntimeError):
+    """The native runtime was aborted (``abort``); carries the abort message."""
+
+
+class _GradInfo(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_int64), ("step", ctypes.c_int64), ("data", ctypes.c_void_p),
+                ("nbytes", ctypes.c_int64), ("handle", ctypes.c_int64), ("dtype", ctypes.c_int32),
+                ("reserved", ctypes.c_int32), ("ready_ns", ctypes.c_int64)]
+
+
+class Native(NamedTuple):
+    """The loaded library: ``ops`` is the op module, ``lib`` the ctypes C API."""
+
+    ops: Any
+    lib: ctypes.CDLL
+    path: pathlib.Path
+
+
+# --------------------------------------------------------------------------- loading
+
+def _build_info(directory: pathlib.Path) -> dict:
+    try:
+        return json.loads((directory / BUILD_INFO_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _declare_c_api(lib: ctypes.CDLL) -> None:
+    i64, i32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    signatures = {
+        "prophet_now_ns": (i64, []),
+        "prophet_stamp": (None, [i64, i64, i32]),
+        "prophet_drain_stamps": (i64, [vp, i64]),
+        "prophet_stamps_dropped": (i64, []),
+        "prophet_stamp_capacity": (i64, []),
+        "prophet_stamp_benchmark": (i64, [i64, i32]),
+        "prophet_next_grad": (ctypes.c_int, [i64, ctypes.POINTER(_GradInfo)]),
+        "prophet_release_grad": (None, [i64]),
+        "prophet_outstanding_grads": (i64, []),
+        "prophet_queued_grads": (i64, []),
+        "prophet_declare_param": (ctypes.c_int, [i64, i32, i32, ctypes.POINTER(i64)]),
+        "prophet_freeze_param": (ctypes.c_int, [i64]),
+        "prophet_deliver_begin": (vp, [i64, i64]),
+        "prophet_deliver_commit": (ctypes.c_int, [i64, i64]),
+        "prophet_deliver_cancel": (ctypes.c_int, [i64, i64]),
+        "prophet_param_nbytes": (i64, [i64]),
+        "prophet_param_version": (i64, [i64]),
+        "prophet_param_dtype": (i32, [i64]),
+        "prophet_pending_awaits": (i64, []),
+        "prophet_abort": (None, [ctypes.c_char_p]),
+        "prophet_reset": (None, []),
+        "prophet_last_error": (ctypes.c_char_p, []),
+        "prophet_last_error_code": (ctypes.c_int, []),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def load_library(directory: str | os.PathLike | None = None) -> Native:
+    """Loads ``_prophet_ops.so`` from `directory` (default: this package). Uncached.
+
+    Args:
+        directory: folder holding ``_prophet_ops.so`` and ``_build_info.json``.
+
+    Returns:
+        The loaded `Native` library.
+
+    Raises:
+        ImportError: the library is missing, was built against another
+            TensorFlow version, or fails to load; the message says how to rebuild.
+    """
+    directory = pathlib.Path(directory) if directory is not None else _PACKAGE_DIR
+    path = directory / LIBRARY_NAME
+    if not path.is_file():
+        raise ImportError(f"prophet_tf's native op library was not built: {path} does not "
+                          f"exist. {REBUILD_HINT}")
+    try:
+        ops = tf.load_op_library(str(path))
+    except Exception as e:  # tf.errors.NotFoundError for dlopen failures; be broad.
+        built = _build_info(directory).get("tensorflow_version")
+        if built and built != tf.__version__:
+            raise ImportError(
+                f"prophet_tf's op library {path} was built against TensorFlow {built}, but "
+                f"TensorFlow {tf.__version__} is installed, and it fails to load: {e}. "
+                f"{REBUILD_HINT}") from e
+        raise ImportError(f"prophet_tf's op library {path} failed to load: {e}. "
+                          f"{REBUILD_HINT}") from e
+    try:
+        # RTLD_NOLOAD: attach to the image TensorFlow just loaded, never a second copy,
+        # so the kernels and this C API share one runtime.
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_NOLOAD)
+        _declare_c_api(lib)
+    except (OSError, AttributeError) as e:
+        raise ImportError(f"prophet_tf could not bind the C API of {path}: {e}. "
+                          f"{REBUILD_HINT}") from e
+    built = _build_info(directory).get("tensorflow_version")
+    if built and built != tf.__version__:
+        logger.warning("prophet_tf's op library was built against TensorFlow %s but TensorFlow "
+                       "%s is installed; it loaded, but %s", built, tf.__version__, REBUILD_HINT)
+    return Native(ops=ops, lib=lib, path=path)
+
+
+_lock = threading.Lock()
+_native: Native | None = None
+
+
+def load() -> Native:
+    """Loads the package's native library once and returns it.
+
+    Raises:
+        ImportError: as `load_library`.
+    """
+    global _native
+    if _native is None:
+        with _lock:
+            if _native is None:
+                _native = load_library()
+    return _native
+
+
+def ops_available() -> bool:
+    """Returns whether the native library loads. Never raises."""
+    try:
+        load()
+        return True
+    except Exception:  # pylint: disable=broad-except
+        return False
+
+
+def _lib() -> ctypes.CDLL:
+    return load().lib
+
+
+def _last_error() -> str:
+    return (_lib().prophet_last_error() or b"").decode("utf-8", "replace")
+
+
+def _check(rc: int, what: str) -> int:
+    if rc >= 0:
+        return rc
+    message = f"{what} failed: {_last_error()}"
+    if rc == _ABORTED:
+        raise RuntimeAbortedError(message)
+    if rc == _UNDECLARED:
+        raise KeyError(message)
+    raise ValueError(message)
+
+
+# --------------------------------------------------------------------------- ops
+
+def _step_tensor(step) -> tf.Tensor:
+    step = tf.convert_to_tensor(step)
+    if step.dtype != tf.int64:
+        step = tf.cast(step, tf.int64)
+    return step
+
+
+def ready_stamp(x: tf.Tensor, key: int, step) -> tf.Tensor:
+    """Records that `x` is ready (kind READY) and returns it unchanged (no copy).
+
+    The result must be consumed, or the op is pruned from a tf.function.
+
+    Args:
+        x: a float16/bfloat16/float32/float64 tensor.
+        key: parameter key (>= 0).
+        step: scalar step (any integer dtype; cast to int64).
+
+    Returns:
+        `x`, same shape, dtype and buffer.
+    """
+    return load().ops.ready_stamp(x, _step_tensor(step), key=key)
+
+
+def push_grad(variable_handle: tf.Tensor, grad: tf.Tensor, key: int, step):
+    """Stamps READY and hands `grad` to the engine's gradient queue.
+
+    Never waits. Stateful on `variable_handle` (the handle of the variable the
+    gradient belongs to), so a tf.function runs it although it has no output,
+    ordered only against other ops on that variable.
+
+    Returns:
+        The op in graph mode, None in eager mode.
+    """
+    return load().ops.push_grad(variable_handle, grad, _step_tensor(step), key=key)
+
+
+def await_param(step, key: int, dtype, shape) -> tf.Tensor:
+    """Returns parameter `key` once it is staged at a version >= `step`.
+
+    Args:
+        step: scalar step; waits for version >= step.
+        key: parameter key, declared with `declare_param`.
+        dtype: the declared dtype.
+        shape: the declared shape (may be partially unknown).
+
+    Returns:
+        The staged tensor (shared with the staging area; read-only).
+
+    Raises:
+        tf.errors.AbortedError: the runtime was aborted (message included).
+        tf.errors.InvalidArgumentError: dtype/shape differ from the declaration.
+        tf.errors.FailedPreconditionError: `key` was never declared.
+    """
+    return load().ops.await_param(_step_tensor(step), key=key, dtype=tf.as_dtype(dtype),
+                                  shape=tf.TensorShape(shape))
+
+
+# --------------------------------------------------------------------------- stamps
+
+def now_ns() -> int:
+    """The stamps' clock: CLOCK_MONOTONIC in ns, comparable to time.monotonic_ns()."""
+    return _lib().prophet_now_ns()
+
+
+def stamp(key: int, step: int, kind: int) -> None:
+    """Records an engine event on the stamps' clock (engine kinds should be >= 16)."""
+    _lib().prophet_stamp(key, step, int(kind))
+
+
+def drain_stamps(max_records: int | None = None) -> np.ndarray:
+    """Removes and returns recorded stamps, oldest first.
+
+    Args:
+        max_records: at most this many (default: all).
+
+    Returns:
+        A structured array of `STAMP_DTYPE` (fields key, step, t_ns, kind).
+    """
+    lib = _lib()
+    chunks, total = [], 0
+    while max_records is None or total < max_records:
+        want = 1 << 16 if max_records is None else min(1 << 16, max_records - total)
+        buf = np.empty(want, dtype=STAMP_DTYPE)
+        n = lib.prophet_drain_stamps(buf.ctypes.data, want)
+        chunks.append(buf[:n])
+        total += n
+        if n < want:
+            break
+    return np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+
+
+def stamps_dropped() -> int:
+    """Number of stamps dropped because the buffer was full (since the last reset)."""
+    return _lib().prophet_stamps_dropped()
+
+
+# --------------------------------------------------------------------------- gradients
+
+class Grad(NamedTuple):
+    """A gradient popped from the queue. Valid until `release_grad(handle)`."""
+
+    key: int
+    step: int
+    handle: int
+    dtype: tf.DType
+    nbytes: int
+    data: int       # address of the tensor's buffer
+    ready_ns: int   # when PushGrad ran
+
+    def view(self) -> np.ndarray:
+        """A flat read-only numpy view of the buffer (no copy); do not keep it past release."""
+        np_dtype = np.dtype(self.dtype.as_numpy_dtype)
+        if self.nbytes == 0:
+            return np.empty(0, dtype=np_dtype)
+        raw = (ctypes.c_char * self.nbytes).from_address(self.data)
+        array = np.frombuffer(raw, dtype=np_dtype)
+        array.flags.writeable = False
+        return array
+
+
+def next_grad(timeout_s: float | None = None) -> Grad | None:
+    """Pops the next pushed gradient, waiting up to `timeout_s` (None: forever).
+
+    Blocks without holding the GIL.
+
+    Returns:
+        A `Grad`, or None on timeout.
+
+    Raises:
+        RuntimeAbortedError: the runtime was aborted.
+    """
+    info = _GradInfo()
+    timeout_us = -1 if timeout_s is None else max(0, int(timeout_s * 1e6))
+    rc = _lib().prophet_next_grad(timeout_us, ctypes.byref(info))
+    if rc == 0:
+        return None
+    _check(rc, "next_grad")
+    return Grad(key=info.key, step=info.step, handle=info.handle,
+                dtype=tf.dtypes.as_dtype(info.dtype), nbytes=info.nbytes,
+                data=info.data or 0, ready_ns=info.ready_ns)
+
+
+def release_grad(handle: int) -> None:
+    """Drops the runtime's reference to a popped gradient (unknown handles are ignored)."""
+    _lib().prophet_release_grad(handle)
+
+
+def outstanding_grads() -> int:
+    """Gradients popped by `next_grad` and not yet released."""
+    return _lib().prophet_outstanding_grads()
+
+
+def queued_grads() -> int:
+    """Gradients pushed and not yet popped."""
+    return _lib().prophet_queued_grads()
+
+
+# --------------------------------------------------------------------------- parameters
+
+def _dtype_of(dtype) -> tf.DType:
+    dtype = tf.as_dtype(dtype)
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of float16, bfloat16, float32, float64. "
+                         f"Received: dtype={dtype.name}")
+    return dtype
+
+
+def declare_param(key: int, dtype, shape) -> None:
+    """Declares parameter `key`'s dtype and shape (idempotent for the same spec).
+
+    Raises:
+        ValueError: bad key/dtype/shape, or `key` was declared with another spec.
+    """
+    dtype = _dtype_of(dtype)
+    dims = [int(d) for d in tf.TensorShape(shape).as_list()]
+    array = (ctypes.c_int64 * max(1, len(dims)))(*dims)
+    _check(_lib().prophet_declare_param(key, dtype.as_datatype_enum, len(dims), array),
+           f"declare_param(key={key})")
+
+
+def freeze_param(key: int) -> None:
+    """Makes AwaitParam of `key` return the staged value at any step (an untrained variable)."""
+    _check(_lib().prophet_freeze_param(key), f"freeze_param(key={key})")
+
+
+def param_nbytes(key: int) -> int:
+    """Size in bytes of parameter `key` as declared."""
+    return _check(_lib().prophet_param_nbytes(key), f"param_nbytes(key={key})")
+
+
+def param_version(key: int) -> int | None:
+    """The staged version of `key`, or None before the first delivery.
+
+    Raises:
+        KeyError: `key` was never declared.
+    """
+    v = _lib().prophet_param_version(key)
+    if v == -1:
+        return None
+    return _check(v, f"param_version(key={key})")
+
+
+def pending_awaits() -> int:
+    """Number of AwaitParam requests currently waiting."""
+    return _lib().prophet_pending_awaits()
+
+
+def deliver_begin(key: int, version: int) -> int:
+    """Allocates the buffer for `key` at `version` and returns its address.
+
+    Write the value (C order, declared dtype) into it, e.g. with ctypes.memmove,
+    then call `deliver_commit`. Calling again for the same open version returns
+    the same buffer.
+
+    Raises:
+        KeyError: `key` was never declared.
+        ValueError: `version` is older than the staged one, or negative.
+        RuntimeAbortedError: the runtime was aborted.
+    """
+    lib = _lib()
+    address = lib.prophet_deliver_begin(key, version)
+    if not address:
+        _check(lib.prophet_last_error_code(), f"deliver_begin(key={key}, version={version})")
+    return address
+
+
+def deliver_commit(key: int, version: int) -> None:
+    """Publishes the buffer of `deliver_begin` as `key`'s staged value.
+
+    Completes every AwaitParam of `key` waiting for a step <= `version`.
+    """
+    _check(_lib().prophet_deliver_commit(key, version),
+           f"deliver_commit(key={key}, version={version})")
+
+
+def deliver_cancel(key: int, version: int) -> None:
+    """Drops an open delivery (after `deliver_begin`, instead of committing)."""
+    _check(_lib().prophet_deliver_cancel(key, version),
+           f"deliver_cancel(key={key}, version={version})")
+
+
+def deliver(key: int, version: int, value) -> None:
+    """Stages `value` as `key` at `version`: begin, copy once, commit.
+
+    `value` is converted to the declared dtype; its size must match the declaration.
+    """
+    nbytes = param_nbytes(key)
+    dtype = tf.dtypes.as_dtype(_check(_lib().prophet_param_dtype(key), f"deliver(key={key})"))
+    src = np.ascontiguousarray(value, dtype=dtype.as_numpy_dtype)
+    if src.nbytes != nbytes:
+        raise ValueError(f"deliver(key={key}) expects {nbytes} bytes of {dtype.name}. "
+                         f"Received: shape={src.shape} ({src.nbytes} bytes)")
+    address = deliver_begin(key, version)
+    try:
+        if nbytes:
+            ctypes.memmove(address, src.ctypes.data, nbytes)
+    except BaseException:
+        deliver_cancel(key, version)
+        raise
+    deliver_commit(key, version)
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+def abort(message: str) -> None:
+    """Fails pending and future AwaitParam/PushGrad/next_grad with `message`."""
+    _lib().prophet_abort(message.encode("utf-8"))
+
+
+def reset() -> None:
+    """Clears queues, stamps, staged values, declarations and the abort state.
+
+    Pending AwaitParams fail with Cancelled. Popped gradients' buffers are freed:
+    release every `Grad` view first.
+    """
+    _lib().prophet_reset()

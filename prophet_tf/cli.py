@@ -1,0 +1,39 @@
+"""The `prophet-tf` command line: one entry point, one subcommand per tool.
+
+    prophet-tf ps [...]        run a parameter-server task
+    prophet-tf launch [...]    run a whole cluster on this machine
+"""
+from __future__ import annotations
+
+import sys
+
+_COMMANDS = {
+    "ps": ("prophet_tf.ps.server", "run a parameter-server task (from TF_CONFIG or flags)"),
+    "launch": ("prophet_tf.launch", "start PS tasks and worker processes on localhost"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: prophet-tf COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in _COMMANDS.items()]
+    lines += ["", "Run 'prophet-tf COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in _COMMANDS:
+        print(f"prophet-tf: unknown command {name!r}; valid commands: "
+              f"{', '.join(_COMMANDS)}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    import importlib
+    module = importlib.import_module(_COMMANDS[name][0])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Build steps that pyproject.toml cannot express.
+
+1. Generate the Python gRPC modules from protos/prophet_tf/ps/v1/*.proto with
+   grpcio-tools (imports read ``prophet_tf.ps.v1.ps_pb2``).
+2. Compile ops/**/*.cc into prophet_tf/_prophet_ops.so with the compile and
+   link flags of the installed TensorFlow (tf.sysconfig only), and record the
+   TensorFlow version it was built against in prophet_tf/_build_info.json so a
+   later load failure can name both versions.
+
+Both write into the source tree, so ``pip install -e .`` and
+``python setup.py build_ext --inplace`` leave a working checkout.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+ROOT = pathlib.Path(__file__).resolve().parent
+PROTO_ROOT = ROOT / "protos"
+OPS_DIR = ROOT / "ops"
+PACKAGE = ROOT / "prophet_tf"
+OPS_LIBRARY = "_prophet_ops.so"
+
+
+def generate_grpc_code():
+    """Generates *_pb2.py, *_pb2_grpc.py and *.pyi next to the package."""
+    from grpc_tools import protoc
+    import grpc_tools
+
+    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
+    well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
+    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{well_known}",
+            f"--python_out={ROOT}", f"--grpc_python_out={ROOT}", f"--pyi_out={ROOT}", *protos]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"grpc_tools.protoc failed on {protos}")
+
+
+def compile_ops(output: pathlib.Path):
+    """Compiles every ops/**/*.cc into one shared library."""
+    import tensorflow as tf
+
+    sources = sorted(str(p) for p in OPS_DIR.rglob("*.cc"))
+    if not sources:
+        raise RuntimeError(f"no C++ sources under {OPS_DIR}")
+    cxx = os.environ.get("CXX", "g++")
+    cmd = [cxx, "-shared", "-fPIC", "-O2", "-Wall", "-Wno-deprecated-declarations", f"-I{OPS_DIR}",
+           *tf.sysconfig.get_compile_flags(), *sources,
+           "-o", str(output), *tf.sysconfig.get_link_flags()]
+    print(" ".join(cmd), flush=True)
+    subprocess.check_call(cmd)
+    info = {"tensorflow_version": tf.__version__, "cxx11_abi": tf.sysconfig.CXX11_ABI_FLAG,
+            "compiler": cxx}
+    (output.parent / "_build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+class BuildPy(build_py):
+    def run(self):
+        generate_grpc_code()
+        super().run()
+
+
+class BuildOps(build_ext):
+    """Builds the op library with TensorFlow's flags instead of distutils'."""
+
+    def run(self):
+        generate_grpc_code()
+        target = PACKAGE / OPS_LIBRARY
+        compile_ops(target)
+        if not self.inplace:
+            # A regular (non-editable) build: ship the library in the wheel.
+            dest = pathlib.Path(self.build_lib) / "prophet_tf"
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in (OPS_LIBRARY, "_build_info.json"):
+                self.copy_file(str(PACKAGE / name), str(dest / name))
+
+    def get_outputs(self):
+        return [os.path.join(self.build_lib, "prophet_tf", OPS_LIBRARY)]
+
+
+setup(
+    # A placeholder extension makes setuptools run build_ext and mark the
+    # wheel as platform-specific; BuildOps does the real work.
+    ext_modules=[Extension("prophet_tf._prophet_ops", sources=[])],
+    cmdclass={"build_py": BuildPy, "build_ext": BuildOps},
+)

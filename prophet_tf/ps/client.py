@@ -1,0 +1,303 @@
+"""The worker's side of the PS protocol: :class:`PSClient` and array helpers.
+
+Tensors never go through per-element Python work: a push block is framed by
+hand around ``memoryview``\\ s of the gradient arrays and joined into one
+``bytes`` (the only copy on the client); a pulled chunk is decoded into a
+read-only array that views the received message (no copy).
+
+Errors from the PS arrive as ``grpc.RpcError`` with the server's status code
+and message (``INVALID_ARGUMENT``, ``NOT_FOUND``, ``FAILED_PRECONDITION``,
+``DEADLINE_EXCEEDED``, ``RESOURCE_EXHAUSTED``...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from prophet_tf import codec
+from prophet_tf.ps import sharding
+from prophet_tf.ps.server import MAX_MESSAGE_BYTES, SERVICE_NAME
+from prophet_tf.ps.v1 import ps_pb2
+
+__all__ = ["PSClient", "Chunk", "PulledChunk", "channel_options", "variable_specs",
+           "optimizer_config_json", "gradient_chunks", "write_chunk"]
+
+NO_WEIGHT_DECAY_KEY = "prophet_tf_no_weight_decay"  # servicer.NO_WEIGHT_DECAY_KEY
+_REQUEST_OVERHEAD = 64 * 1024  # room for specs and framing next to the bulk bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A gradient (or initial value) for rows of one partition, to push."""
+
+    key: int
+    partition: int
+    step: int
+    array: np.ndarray
+
+
+class PulledChunk(NamedTuple):
+    """A partition's value as pulled: ``array`` is flat and read-only."""
+
+    key: int
+    partition: int
+    version: int
+    array: np.ndarray
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC channel options every worker uses to talk to a PS."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def _encode_push(worker_id: int, chunks: Sequence[Chunk]) -> tuple[list, int]:
+    """PushRequest wire bytes as a list of parts (headers and array views)."""
+    parts = [ps_pb2.PushRequest(worker_id=worker_id).SerializeToString()]
+    total = len(parts[0])
+    for c in chunks:
+        data = codec.as_bytes_view(c.array)
+        head = ps_pb2.GradientChunk(key=c.key, step=c.step, partition=c.partition,
+                                    dtype=codec.dtype_name(c.array.dtype)).SerializeToString()
+        head += codec.encode_len_field_header(5, data.nbytes)
+        frame = codec.encode_len_field_header(2, len(head) + data.nbytes)
+        parts += (frame, head, data)
+        total += len(frame) + len(head) + data.nbytes
+    return parts, total
+
+
+def _decode_parameter_chunk(message: bytes) -> PulledChunk:
+    fields = codec.parse_fields(message)
+    dtype = bytes(fields.get(4, b"")).decode()
+    return PulledChunk(fields.get(1, 0), fields.get(2, 0), fields.get(3, 0),
+                       codec.from_bytes(fields.get(5, b""), dtype))
+
+
+class PSClient:
+    """A connection from one worker to one PS task.
+
+    Args:
+        address: the PS task's ``host:port``.
+        worker_id: this worker's index in ``[0, num_workers)``.
+        num_workers: W.
+        max_message_bytes: per-message limit (the server's is
+            :data:`prophet_tf.ps.server.MAX_MESSAGE_BYTES`).
+        options: extra gRPC channel options.
+    """
+
+    def __init__(self, address: str, worker_id: int, num_workers: int, *,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, options: Sequence = ()):
+        self.address = address
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.max_message_bytes = max_message_bytes
+        self._channel = grpc.insecure_channel(
+            address, options=channel_options(max_message_bytes) + list(options))
+        method = f"/{SERVICE_NAME}/"
+        self._register = self._channel.unary_unary(
+            method + "Register", request_serializer=ps_pb2.RegisterRequest.SerializeToString,
+            response_deserializer=ps_pb2.RegisterResponse.FromString)
+        self._push = self._channel.unary_unary(
+            method + "Push", request_serializer=b"".join,
+            response_deserializer=ps_pb2.PushResponse.FromString)
+        self._pull = self._channel.unary_stream(
+            method + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+            response_deserializer=_decode_parameter_chunk)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Blocks until the PS reports SERVING through grpc.health.v1.
+
+        Raises:
+            TimeoutError: not SERVING within ``timeout`` seconds; names the
+                address and the last answer.
+        """
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"PS at {self.address} was not SERVING within {timeout} s. "
+                                   f"Last answer: {last}")
+            try:
+                response = self._health.Check(
+                    health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                    timeout=min(remaining, 5.0), wait_for_ready=True)
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                last = f"{e.code().name}: {e.details()}"
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+
+    def register(self, variables: Sequence, optimizer_config: str,
+                 initial_values: Mapping[int, np.ndarray] | None = None, *,
+                 max_partition_bytes: int = sharding.DEFAULT_MAX_PARTITION_BYTES,
+                 timeout: float | None = None) -> ps_pb2.RegisterResponse:
+        """Declares the model; worker 0 also sends this PS's initial values.
+
+        The initial values go in as many Register calls as the message limit
+        needs (the PS ignores a value it already has, so a retry is safe).
+
+        Args:
+            variables: ``ps_pb2.VariableSpec`` list (see :func:`variable_specs`).
+            optimizer_config: see :func:`optimizer_config_json`.
+            initial_values: key -> full array; only from worker 0.
+            max_partition_bytes: the workers' sharding limit; the PS's
+                partitions are checked against the same plan.
+            timeout: seconds per call.
+
+        Returns:
+            The PS's last RegisterResponse (its partitions and version).
+
+        Raises:
+            grpc.RpcError: the PS rejected the declaration.
+            ValueError: the PS's partitions differ from this worker's plan (the
+                two run with different ``max_partition_bytes`` or PS counts).
+        """
+        variables = list(variables)
+        request = dict(worker_id=self.worker_id, num_workers=self.num_workers,
+                       variables=variables, optimizer_config=optimizer_config)
+        response = self._register(ps_pb2.RegisterRequest(**request), timeout=timeout)
+        expected = sharding.owned_by(
+            sharding.plan(variables, response.num_ps, max_partition_bytes), response.ps_index)
+        got = [(p.key, p.partition, p.ps_index, p.row_begin, p.row_end)
+               for p in response.partitions]
+        if got != [(p.key, p.partition, p.ps_index, p.row_begin, p.row_end) for p in expected]:
+            raise ValueError(
+                f"PS {response.ps_index} at {self.address} owns other partitions than this "
+                f"worker's plan (max_partition_bytes={max_partition_bytes}, num_ps="
+                f"{response.num_ps}); start every task with the same settings. Received: "
+                f"{len(response.partitions)} partitions, expected {len(expected)}")
+        if initial_values is None:
+            return response
+        batch, size = [], 0
+        limit = self.max_message_bytes - _REQUEST_OVERHEAD - 64 * len(variables)
+        for p in expected:
+            value = _rows(np.asarray(initial_values[p.key]), p)
+            if batch and size + value.nbytes > limit:
+                response = self._register(
+                    ps_pb2.RegisterRequest(**request, initial_values=batch), timeout=timeout)
+                batch, size = [], 0
+            batch.append(ps_pb2.ParameterChunk(
+                key=p.key, partition=p.partition, version=0,
+                dtype=codec.dtype_name(value.dtype), data=codec.as_bytes_view(value).tobytes()))
+            size += value.nbytes
+        if batch:
+            response = self._register(
+                ps_pb2.RegisterRequest(**request, initial_values=batch), timeout=timeout)
+        return response
+
+    def push(self, chunks: Sequence[Chunk], timeout: float | None = None) -> int:
+        """Sends one block of gradient chunks as one PushRequest.
+
+        Returns:
+            How many chunks the PS had already counted (retries).
+
+        Raises:
+            ValueError: the block exceeds ``max_message_bytes``.
+            grpc.RpcError: the PS rejected the block (nothing of it was used).
+        """
+        parts, total = _encode_push(self.worker_id, chunks)
+        if total > self.max_message_bytes:
+            raise ValueError(f"A push block may carry at most {self.max_message_bytes} bytes; "
+                             f"split it. Received: {len(chunks)} chunks, {total} bytes")
+        return self._push(parts, timeout=timeout).duplicates
+
+    def pull(self, items: Iterable, min_version: int,
+             timeout: float | None = None) -> Iterator[PulledChunk]:
+        """Streams partitions (``(key, partition)`` pairs or Partitions) in order.
+
+        Each arrives once its version is ``>= min_version``; the whole call
+        ends with DEADLINE_EXCEEDED after ``timeout`` seconds. Closing the
+        iterator early cancels the call.
+        """
+        request = ps_pb2.PullRequest(worker_id=self.worker_id, min_version=min_version, items=[
+            ps_pb2.KeyPartition(key=k, partition=p) for k, p in map(_key_partition, items)])
+        call = self._pull(request, timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _key_partition(item):
+    if isinstance(item, tuple):
+        return item
+    return item.key, item.partition
+
+
+def _rows(array: np.ndarray, partition: sharding.Partition) -> np.ndarray:
+    """The rows of ``partition`` as a view (scalars: the value itself)."""
+    if array.ndim == 0:
+        return array.reshape(1)
+    return array[partition.row_begin:partition.row_end]
+
+
+def variable_specs(variables: Sequence) -> list[ps_pb2.VariableSpec]:
+    """Specs for Keras/TF variables: key = position, priority = position.
+
+    ``name`` is the Keras variable path (``v.path``), or the TF name.
+    """
+    return [ps_pb2.VariableSpec(key=i, name=getattr(v, "path", None) or v.name,
+                                shape=[int(d) for d in v.shape],
+                                dtype=codec.dtype_name(v.dtype), priority=i)
+            for i, v in enumerate(variables)]
+
+
+def optimizer_config_json(optimizer, variables: Sequence | None = None) -> str:
+    """The ``optimizer_config`` of Register for a Keras optimizer.
+
+    ``keras.optimizers.serialize`` leaves out ``exclude_from_weight_decay``;
+    given the model's trainable variables (in key order), the keys the
+    optimizer exempts from weight decay are added, so the PS decays exactly
+    the same variables.
+    """
+    import keras
+
+    config = keras.optimizers.serialize(optimizer)
+    if variables is not None and getattr(optimizer, "weight_decay", None) is not None:
+        exempt = [i for i, v in enumerate(variables)
+                  if not optimizer._use_weight_decay(getattr(v, "value", v))]
+        if exempt:
+            config[NO_WEIGHT_DECAY_KEY] = exempt
+    return json.dumps(config)
+
+
+def gradient_chunks(arrays: Mapping[int, np.ndarray], partitions: Iterable[sharding.Partition],
+                    step: int) -> list[Chunk]:
+    """Cuts full gradients (key -> array) into this PS's partition chunks (views)."""
+    return [Chunk(p.key, p.partition, step, _rows(np.asarray(arrays[p.key]), p))
+            for p in partitions]
+
+
+def write_chunk(chunk: PulledChunk, out: Mapping[int, np.ndarray],
+                partitions: Mapping[tuple[int, int], sharding.Partition]) -> None:
+    """Copies a pulled chunk into its rows of ``out[key]`` (one memcpy)."""
+    p = partitions[chunk.key, chunk.partition]
+    target = out[chunk.key]
+    if target.ndim == 0:
+        target[...] = chunk.array[0]
+    else:
+        target[p.row_begin:p.row_end] = chunk.array.reshape((p.num_rows, *target.shape[1:]))

@@ -1,0 +1,255 @@
+"""The PS task's gRPC server, and ``prophet-tf ps`` / ``python -m prophet_tf.ps.server``.
+
+Message size limit: :data:`MAX_MESSAGE_BYTES` (64 MiB) for receiving and
+sending, on the server and on :class:`prophet_tf.ps.client.PSClient`. A
+partition is at most ``max_partition_bytes`` (4 MiB by default) and the client
+cuts Register's initial values into requests under the limit, so only a push
+block of more than 64 MiB (the scheduler's choice) or a variable with a single
+row above the limit hits it; gRPC answers such a message with
+RESOURCE_EXHAUSTED. The limit also bounds what one request may pin in memory
+(thread pool size x 64 MiB).
+
+Bind address: ``--host`` defaults to 127.0.0.1 when the flags describe the
+task (a local cluster; nothing exposed), and to ``[::]`` (all interfaces) with
+TF_CONFIG, whose workers are usually on other machines and whose host name may
+not be a local interface address. The PS has no authentication: only expose
+it on a trusted network.
+
+Thread pool: pulls wait in a server thread until their version exists, so the
+pool is sized ``16 + 8 * num_workers``; a worker keeps a few pulls in flight
+per PS task, which leaves threads for pushes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+from typing import NamedTuple
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from prophet_tf import codec
+from prophet_tf.ps import sharding
+from prophet_tf.ps.v1 import ps_pb2
+
+__all__ = ["MAX_MESSAGE_BYTES", "SERVICE_NAME", "create_server", "main"]
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+# What a message carries besides one chunk's bytes (ids, dtype, framing).
+_CHUNK_OVERHEAD = 1024
+
+
+def _passthrough(data: bytes) -> bytes:
+    return data
+
+
+class _GradientChunk(NamedTuple):
+    key: int
+    step: int
+    partition: int
+    dtype: str
+    data: memoryview  # a slice of the received message: no copy
+
+
+class _PushRequest(NamedTuple):
+    worker_id: int
+    chunks: list
+    malformed: str | None = None  # why the bytes are not a PushRequest
+
+
+def parse_push_request(message: bytes) -> _PushRequest:
+    """A PushRequest whose chunk data are views of ``message``.
+
+    Protobuf's ``chunk.data`` would copy every chunk once more. Malformed
+    bytes give a request with ``malformed`` set, which the servicer rejects
+    with INVALID_ARGUMENT (a raising deserializer would answer INTERNAL).
+    """
+    try:
+        top = codec.parse_fields(message, repeated=(2,))
+        chunks = []
+        for raw in top[2]:
+            f = codec.parse_fields(raw)
+            chunks.append(_GradientChunk(f.get(1, 0), f.get(2, 0), f.get(3, 0),
+                                         str(f.get(4, b""), "utf-8"), f.get(5, memoryview(b""))))
+        return _PushRequest(top.get(1, 0), chunks)
+    except (ValueError, TypeError) as e:
+        return _PushRequest(0, [], f"{e} ({len(message)} bytes)")
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Never share the port with another process (port 0 or not).
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                  max_workers: int | None = None):
+    """Builds (does not start) a gRPC server for ``servicer`` bound to ``address``.
+
+    The standard ``grpc.health.v1.Health`` service reports SERVING for ``""``
+    and for the ParameterServer service; it answers as soon as the server is
+    started, when the servicer is ready to take Register.
+
+    Args:
+        address: ``host:port``; port 0 picks a free port.
+        servicer: a :class:`prophet_tf.ps.servicer.ParameterServerServicer`.
+        max_message_bytes: receive and send limit for one message.
+        max_workers: gRPC thread pool size (default ``16 + 8 * num_workers``).
+
+    Returns:
+        ``(server, port)``; ``server.health`` is the health servicer.
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    if max_workers is None:
+        max_workers = 16 + 8 * servicer.num_workers
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix="prophet-tf-ps"),
+                         options=server_options(max_message_bytes))
+    handlers = {
+        "Register": grpc.unary_unary_rpc_method_handler(
+            servicer.Register, request_deserializer=ps_pb2.RegisterRequest.FromString,
+            response_serializer=ps_pb2.RegisterResponse.SerializeToString),
+        "Push": grpc.unary_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=parse_push_request,
+            response_serializer=ps_pb2.PushResponse.SerializeToString),
+        # Pull yields ParameterChunk bytes serialized once per version.
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            servicer.Pull, request_deserializer=ps_pb2.PullRequest.FromString,
+            response_serializer=_passthrough),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise RuntimeError(f"Cannot bind the PS to {address!r}: {e}") from None
+    if port == 0:
+        raise RuntimeError(f"Cannot bind the PS to {address!r}")
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    server.health = health_servicer
+    return server, port
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="prophet-tf ps",
+        description="Run one parameter-server task. Describe it with --num-workers "
+                    "(and --ps-index/--num-ps), or leave that out to read TF_CONFIG "
+                    '(task type "ps").')
+    parser.add_argument("--num-workers", type=int, default=None,
+                        help="W, workers per step; when given, TF_CONFIG is ignored")
+    parser.add_argument("--ps-index", type=int, default=None, help="this PS task (default 0)")
+    parser.add_argument("--num-ps", type=int, default=None, help="PS tasks (default 1)")
+    parser.add_argument("--host", default=None,
+                        help="interface to bind (default 127.0.0.1 with flags, [::] with "
+                             "TF_CONFIG)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="port (0 = any free port; default: TF_CONFIG's, or 0)")
+    parser.add_argument("--port-file", default=None,
+                        help="write the bound port to this file once serving")
+    parser.add_argument("--max-partition-bytes", type=int,
+                        default=sharding.DEFAULT_MAX_PARTITION_BYTES,
+                        help="split variables above this size (must match the workers)")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds in-flight RPCs get on SIGTERM/SIGINT")
+    return parser.parse_args(argv)
+
+
+def _task_from_args(args):
+    """(num_workers, ps_index, num_ps, host, port) from the flags or TF_CONFIG."""
+    if args.num_workers is not None:
+        task = (args.num_workers, args.ps_index or 0,
+                args.num_ps if args.num_ps is not None else 1,
+                args.host or "127.0.0.1", args.port if args.port is not None else 0)
+    else:
+        if args.ps_index is not None or args.num_ps is not None:
+            raise ValueError("--ps-index/--num-ps go with --num-workers; with TF_CONFIG the "
+                             "cluster spec says them. Received: "
+                             f"--ps-index={args.ps_index}, --num-ps={args.num_ps}")
+        if not os.environ.get("TF_CONFIG"):
+            raise ValueError("Give --num-workers (and --ps-index/--num-ps) or set TF_CONFIG. "
+                             "Received: no --num-workers, TF_CONFIG unset")
+        from prophet_tf import cluster as cluster_lib
+
+        config = cluster_lib.resolve()
+        if config.task_type != "ps":
+            raise ValueError('TF_CONFIG must describe a "ps" task for `prophet-tf ps`. '
+                             f"Received: task type={config.task_type!r}, "
+                             f"index={config.task_index}")
+        own_port = int(config.ps[config.task_index].rpartition(":")[2])
+        task = (config.num_workers, config.task_index, config.num_ps,
+                args.host or "[::]", args.port if args.port is not None else own_port)
+    num_workers, ps_index, num_ps, _, port = task
+    if args.max_partition_bytes < 1:
+        raise ValueError("--max-partition-bytes must be >= 1. "
+                         f"Received: --max-partition-bytes={args.max_partition_bytes}")
+    if num_workers < 1 or num_ps < 1 or not 0 <= ps_index < num_ps or not 0 <= port < 65536:
+        raise ValueError("Need num_workers >= 1, num_ps >= 1, 0 <= ps_index < num_ps and a "
+                         f"port in [0, 65535]. Received: num_workers={num_workers}, "
+                         f"ps_index={ps_index}, num_ps={num_ps}, port={port}")
+    return task
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs a PS task until SIGTERM/SIGINT; returns the exit code."""
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=os.environ.get("PROPHET_TF_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        num_workers, ps_index, num_ps, host, port = _task_from_args(args)
+    except ValueError as e:
+        print(f"prophet-tf ps: {e}", file=sys.stderr)
+        return 2
+    codec.tune_allocator()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+
+    from prophet_tf.ps.servicer import ParameterServerServicer  # imports TF: seconds
+
+    servicer = ParameterServerServicer(
+        num_workers, ps_index, num_ps, max_partition_bytes=args.max_partition_bytes,
+        max_chunk_bytes=MAX_MESSAGE_BYTES - _CHUNK_OVERHEAD)
+    try:
+        server, bound = create_server(f"{host}:{port}", servicer)
+    except RuntimeError as e:
+        print(f"prophet-tf ps: {e}", file=sys.stderr)
+        servicer.close()
+        return 1
+    server.start()
+    logger.info("prophet-tf ps listening on %s:%d (ps %d of %d, %d workers)",
+                host, bound, ps_index, num_ps, num_workers)
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(f"{bound}\n")
+        os.replace(tmp, args.port_file)
+    while not stop.wait(1.0):
+        pass
+    logger.info("prophet-tf ps shutting down (grace %.1f s)", args.grace)
+    server.health.enter_graceful_shutdown()
+    server.stop(args.grace).wait()
+    servicer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,525 @@
+"""The PS servicer without a network: state, validation, sums, optimizer math.
+
+The only test double is ``Context``, a stand-in for grpc.ServicerContext that
+records the abort code; everything else (Keras, TF, protobuf) is real.
+"""
+
+import json
+import os
+import threading
+import time
+
+os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import grpc  # noqa: E402
+import keras  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from prophet_tf.ps import client as ps_client  # noqa: E402
+from prophet_tf.ps import sharding  # noqa: E402
+from prophet_tf.ps.servicer import ParameterServerServicer  # noqa: E402
+from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """Records ``abort`` like grpc.ServicerContext (which raises too)."""
+
+    def __init__(self, timeout=10.0):
+        self.deadline = time.monotonic() + timeout
+        self.code = self.details = None
+
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted(code, details)
+
+    def time_remaining(self):
+        return max(0.0, self.deadline - time.monotonic())
+
+    def is_active(self):
+        return True
+
+
+def expect_abort(call, request, code, *fragments, context=None):
+    context = context or Context()
+    with pytest.raises(Aborted):
+        result = call(request, context)
+        if hasattr(result, "__next__"):
+            list(result)
+    assert context.code == code, context.details
+    for fragment in fragments:
+        assert fragment in context.details
+    return context.details
+
+
+# A kernel split into 3 row ranges (limit 32 bytes = 2 rows of 4 float32), a
+# bias and a scalar, each one partition.
+SHAPES = {0: ("dense/kernel", (6, 4)), 1: ("dense/bias", (4,)), 2: ("scale", ())}
+LIMIT = 32
+
+
+def specs(shapes=SHAPES, dtype="float32"):
+    return [ps_pb2.VariableSpec(key=k, name=n, shape=s, dtype=dtype, priority=k)
+            for k, (n, s) in shapes.items()]
+
+
+def config(optimizer, variables=None):
+    return ps_client.optimizer_config_json(optimizer, variables)
+
+
+def initial(seed=0, shapes=SHAPES, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s).astype(dtype) for k, (_, s) in shapes.items()}
+
+
+def plan(shapes=SHAPES):
+    return sharding.plan(specs(shapes), 1, LIMIT)
+
+
+def register(servicer, worker_id, optimizer_config, values=None, variables=None,
+             num_workers=None):
+    variables = specs() if variables is None else variables
+    chunks = []
+    if values is not None:
+        for p in sharding.plan(variables, 1, servicer.max_partition_bytes):
+            v = np.asarray(values[p.key])
+            rows = v.reshape(1) if v.ndim == 0 else v[p.row_begin:p.row_end]
+            chunks.append(ps_pb2.ParameterChunk(key=p.key, partition=p.partition,
+                                                dtype=variables[p.key].dtype,
+                                                data=rows.tobytes()))
+    request = ps_pb2.RegisterRequest(
+        worker_id=worker_id, num_workers=num_workers or servicer.num_workers,
+        variables=variables, optimizer_config=optimizer_config, initial_values=chunks)
+    return servicer.Register(request, Context())
+
+
+def grad_chunks(grads, step, partitions=None):
+    partitions = plan() if partitions is None else partitions
+    out = []
+    for c in ps_client.gradient_chunks(grads, partitions, step):
+        out.append(ps_pb2.GradientChunk(key=c.key, step=c.step, partition=c.partition,
+                                        dtype=c.array.dtype.name, data=c.array.tobytes()))
+    return out
+
+
+def push(servicer, worker_id, chunks):
+    return servicer.Push(ps_pb2.PushRequest(worker_id=worker_id, chunks=chunks),
+                         Context()).duplicates
+
+
+def pull(servicer, min_version, partitions=None, timeout=10.0, shapes=SHAPES):
+    """Full arrays (key -> array) and versions after pulling every partition."""
+    partitions = plan(shapes) if partitions is None else partitions
+    request = ps_pb2.PullRequest(worker_id=0, min_version=min_version, items=[
+        ps_pb2.KeyPartition(key=p.key, partition=p.partition) for p in partitions])
+    chunks = [ps_pb2.ParameterChunk.FromString(b)
+              for b in servicer.Pull(request, Context(timeout))]
+    assert [(c.key, c.partition) for c in chunks] == [(p.key, p.partition) for p in partitions]
+    by_id = {(p.key, p.partition): p for p in partitions}
+    out = {}
+    for c in chunks:
+        dtype = ml_dtypes.bfloat16 if c.dtype == "bfloat16" else np.dtype(c.dtype)
+        shape = shapes[c.key][1]
+        out.setdefault(c.key, np.zeros(shape, dtype))
+        ps_client.write_chunk(ps_client.PulledChunk(c.key, c.partition, c.version,
+                                                    np.frombuffer(c.data, dtype)),
+                              out, by_id)
+    return out, {(c.key, c.partition): c.version for c in chunks}
+
+
+@pytest.fixture
+def make_servicer():
+    made = []
+
+    def make(num_workers=2, max_partition_bytes=LIMIT, **kwargs):
+        servicer = ParameterServerServicer(num_workers, max_partition_bytes=max_partition_bytes,
+                                           **kwargs)
+        made.append(servicer)
+        return servicer
+
+    yield make
+    for servicer in made:
+        servicer.close()
+
+
+@pytest.fixture
+def ready(make_servicer):
+    """W=2, SGD(lr=1), registered by both workers, version 0."""
+    servicer = make_servicer()
+    cfg = config(keras.optimizers.SGD(1.0))
+    values = initial()
+    register(servicer, 0, cfg, values)
+    register(servicer, 1, cfg)
+    return servicer, values
+
+
+def ints(seed, scale=8):
+    rng = np.random.default_rng(seed)
+    return {k: rng.integers(-scale, scale, size=s).astype(np.float32)
+            for k, (_, s) in SHAPES.items()}
+
+
+# ---------------------------------------------------------------- Register
+
+def test_register_lists_this_ps_partitions_and_version(make_servicer):
+    servicer = make_servicer()
+    response = register(servicer, 0, config(keras.optimizers.SGD(0.1)))
+    assert (response.ps_index, response.num_ps, response.version) == (0, 1, 0)
+    assert [(p.key, p.partition, p.row_begin, p.row_end) for p in response.partitions] == [
+        (0, 0, 0, 2), (0, 1, 2, 4), (0, 2, 4, 6), (1, 0, 0, 4), (2, 0, 0, 1)]
+
+
+def test_ps_keeps_only_its_own_partitions(make_servicer):
+    servicer = make_servicer(ps_index=1, num_ps=2)
+    response = register(servicer, 0, config(keras.optimizers.SGD(0.1)))
+    owned = sharding.owned_by(sharding.plan(specs(), 2, LIMIT), 1)
+    assert [(p.key, p.partition) for p in response.partitions] == [
+        (p.key, p.partition) for p in owned]
+    assert 0 < len(owned) < len(plan())
+    not_owned = next(p for p in sharding.plan(specs(), 2, LIMIT) if p.ps_index == 0)
+    details = expect_abort(servicer.Pull, ps_pb2.PullRequest(items=[ps_pb2.KeyPartition(
+        key=not_owned.key, partition=not_owned.partition)]), grpc.StatusCode.NOT_FOUND,
+        "owned by PS 0")
+    assert f"key={not_owned.key}" in details
+
+
+@pytest.mark.parametrize("change, fragments", [
+    (lambda v: v[0].shape.__setitem__(1, 5), ["Variable 0", "shape=[6, 4]", "shape=[6, 5]"]),
+    (lambda v: setattr(v[1], "dtype", "float64"), ["Variable 1", "dtype=float32",
+                                                  "dtype=float64"]),
+    (lambda v: v.pop(), ["3 variables", "Received: 2 variables"]),
+])
+def test_a_worker_declaring_another_model_is_rejected(make_servicer, change, fragments):
+    servicer = make_servicer()
+    cfg = config(keras.optimizers.SGD(0.1))
+    first = register(servicer, 0, cfg, initial())
+    variables = specs()
+    change(variables)
+    request = ps_pb2.RegisterRequest(worker_id=1, num_workers=2, variables=variables,
+                                     optimizer_config=cfg)
+    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT, *fragments)
+    assert register(servicer, 1, cfg) == first  # nothing changed
+
+
+def test_a_worker_with_another_optimizer_is_rejected(make_servicer):
+    servicer = make_servicer()
+    register(servicer, 0, config(keras.optimizers.SGD(0.1)))
+    request = ps_pb2.RegisterRequest(worker_id=1, num_workers=2, variables=specs(),
+                                     optimizer_config=config(keras.optimizers.SGD(0.2)))
+    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
+                 "optimizer differs", '"learning_rate": 0.1', '"learning_rate": 0.2')
+
+
+@pytest.mark.parametrize("fields, fragments", [
+    (dict(worker_id=0, num_workers=3), ["num_workers=2", "Received: num_workers=3"]),
+    (dict(worker_id=2, num_workers=2), ["worker_id=2"]),
+    (dict(worker_id=0, num_workers=2, variables=[]), ["variables=[]"]),
+    (dict(worker_id=0, num_workers=2, optimizer_config="{nope"), ["optimizer_config"]),
+])
+def test_malformed_register_is_rejected(make_servicer, fields, fragments):
+    servicer = make_servicer()
+    fields = {"variables": specs(), "optimizer_config": config(keras.optimizers.SGD(0.1)),
+              **fields}
+    expect_abort(servicer.Register, ps_pb2.RegisterRequest(**fields),
+                 grpc.StatusCode.INVALID_ARGUMENT, *fragments)
+    assert servicer._model is None
+
+
+def test_initial_values_only_from_worker_0_and_checked(make_servicer):
+    servicer = make_servicer()
+    cfg = config(keras.optimizers.SGD(0.1))
+    chunk = ps_pb2.ParameterChunk(key=1, partition=0, dtype="float32", data=b"\0" * 16)
+    request = ps_pb2.RegisterRequest(worker_id=1, num_workers=2, variables=specs(),
+                                     optimizer_config=cfg, initial_values=[chunk])
+    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
+                 "Only worker 0", "worker_id=1")
+    bad = ps_pb2.ParameterChunk(key=0, partition=2, dtype="float32", data=b"\0" * 28)
+    request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
+                                     optimizer_config=cfg, initial_values=[chunk, bad])
+    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
+                 "expected 32 bytes", "Received: 28 bytes")
+    assert servicer._model is None  # the whole request was rejected
+
+
+@pytest.mark.parametrize("optimizer, fragment", [
+    (lambda: keras.optimizers.SGD(0.1, global_clipnorm=1.0), "global_clipnorm"),
+    (lambda: keras.optimizers.Adam(use_ema=True), "use_ema"),
+    (lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+     "gradient_accumulation_steps"),
+    (lambda: keras.optimizers.Nadam(), "Nadam"),
+    (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+     "LossScaleOptimizer"),
+    (lambda: keras.optimizers.SGD(0.1, clipnorm=1.0), "'dense/kernel'"),
+    (lambda: keras.optimizers.Lamb(), "optimizer=Lamb"),
+])
+def test_optimizer_options_the_ps_cannot_apply_per_partition(make_servicer, optimizer,
+                                                             fragment):
+    servicer = make_servicer()
+    request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
+                                     optimizer_config=config(optimizer()))
+    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT, fragment)
+
+
+def test_clipnorm_is_accepted_when_no_variable_is_split(make_servicer):
+    servicer = make_servicer(max_partition_bytes=1 << 20)
+    register(servicer, 0, config(keras.optimizers.SGD(0.1, clipnorm=1.0)))
+
+
+# -------------------------------------------------------------- Push & sums
+
+def test_two_workers_integer_gradients_sum_exactly(ready):
+    servicer, values = ready
+    expected = {k: v.copy() for k, v in values.items()}
+    for step in range(3):
+        g0, g1 = ints(10 + step), ints(20 + step)
+        assert push(servicer, 0, grad_chunks(g0, step)) == 0
+        got, versions = pull(servicer, step, timeout=0.5)  # not applied before worker 1
+        assert set(versions.values()) == {step}
+        assert push(servicer, 1, grad_chunks(g1, step)) == 0
+        got, versions = pull(servicer, step + 1)
+        assert set(versions.values()) == {step + 1}
+        for k in expected:
+            expected[k] = expected[k] - (g0[k] + g1[k])  # SGD, lr=1
+            np.testing.assert_array_equal(got[k], expected[k])
+
+
+def test_duplicates_are_counted_not_summed(ready):
+    servicer, values = ready
+    g0, g1 = ints(1), ints(2)
+    chunks = grad_chunks(g0, 0)
+    assert push(servicer, 0, chunks + chunks[:2]) == 2  # twice in one request
+    assert push(servicer, 0, chunks) == len(chunks)  # a retry of the pending step
+    push(servicer, 1, grad_chunks(g1, 0))
+    got, _ = pull(servicer, 1)
+    assert push(servicer, 1, grad_chunks(g1, 0)) == len(chunks)  # a retry after the apply
+    got_again, versions = pull(servicer, 1)
+    assert set(versions.values()) == {1}
+    for k in values:
+        np.testing.assert_array_equal(got[k], values[k] - (g0[k] + g1[k]))
+        np.testing.assert_array_equal(got_again[k], got[k])
+
+
+def state(servicer):
+    return {key: (p.version, frozenset(p.arrived), None if p.acc is None else p.acc.copy())
+            for key, p in servicer._parts.items()}
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(
+        a[k][:2] == b[k][:2] and (a[k][2] is None) == (b[k][2] is None)
+        and (a[k][2] is None or np.array_equal(a[k][2], b[k][2])) for k in a)
+
+
+@pytest.mark.parametrize("mutate, code, fragments", [
+    (lambda c: setattr(c, "key", 9), grpc.StatusCode.NOT_FOUND, ["key=9"]),
+    (lambda c: setattr(c, "partition", 7), grpc.StatusCode.NOT_FOUND, ["partition=7"]),
+    (lambda c: setattr(c, "dtype", "float64"), grpc.StatusCode.INVALID_ARGUMENT,
+     ["expected float32", "dtype='float64'"]),
+    (lambda c: setattr(c, "data", c.data[:-4]), grpc.StatusCode.INVALID_ARGUMENT,
+     ["expected 16 bytes", "Received: 12 bytes"]),
+    (lambda c: setattr(c, "step", 3), grpc.StatusCode.FAILED_PRECONDITION,
+     ["too far ahead", "version 1", "step=3"]),
+    (lambda c: setattr(c, "step", -1), grpc.StatusCode.FAILED_PRECONDITION,
+     ["from the past", "version 1", "step=-1"]),
+])
+def test_bad_chunk_rejects_the_whole_request_and_changes_nothing(ready, mutate, code,
+                                                                 fragments):
+    servicer, _ = ready
+    push(servicer, 0, grad_chunks(ints(0), 0))
+    push(servicer, 1, grad_chunks(ints(1), 0))
+    pull(servicer, 1)
+    push(servicer, 1, grad_chunks(ints(2), 1)[:1])  # a pending sum to preserve
+    before = state(servicer)
+    chunks = grad_chunks(ints(3), 1)
+    mutate(chunks[-2])  # a good chunk first, so a partial apply would show
+    expect_abort(servicer.Push, ps_pb2.PushRequest(worker_id=0, chunks=chunks), code,
+                 *fragments)
+    assert same_state(before, state(servicer))
+    assert push(servicer, 0, grad_chunks(ints(3), 1)) == 0  # none of it was counted
+
+
+def test_worker_id_out_of_range_and_push_before_values(make_servicer):
+    servicer = make_servicer()
+    chunks = grad_chunks(ints(0), 0)
+    expect_abort(servicer.Push, ps_pb2.PushRequest(worker_id=0, chunks=chunks),
+                 grpc.StatusCode.FAILED_PRECONDITION, "Register first")
+    register(servicer, 0, config(keras.optimizers.SGD(1.0)))
+    expect_abort(servicer.Push, ps_pb2.PushRequest(worker_id=2, chunks=chunks),
+                 grpc.StatusCode.INVALID_ARGUMENT, "worker_id=2")
+    expect_abort(servicer.Push, ps_pb2.PushRequest(worker_id=0, chunks=chunks),
+                 grpc.StatusCode.FAILED_PRECONDITION, "no initial value", "step=0")
+
+
+def test_low_precision_gradients_are_summed_in_float32(make_servicer):
+    servicer = make_servicer(num_workers=3)
+    shapes = {0: ("w", (2,))}
+    variables = specs(shapes, "bfloat16")
+    register(servicer, 0, config(keras.optimizers.SGD(1.0)),
+             {0: np.zeros(2, ml_dtypes.bfloat16)}, variables=variables)
+    partitions = sharding.plan(variables, 1, LIMIT)
+    # 256 + 1 + 1: bfloat16 has 8 significant bits, so summing in bfloat16
+    # gives 256 while float32 gives 258 (representable in bfloat16).
+    for worker, value in enumerate([256.0, 1.0, 1.0]):
+        push(servicer, worker, grad_chunks({0: np.full(2, value, ml_dtypes.bfloat16)}, 0,
+                                           partitions))
+    got, _ = pull(servicer, 1, partitions, shapes=shapes)
+    np.testing.assert_array_equal(got[0].astype(np.float32), [-258.0, -258.0])
+
+
+# -------------------------------------------------------------------- Pull
+
+def test_pull_of_version_0_waits_for_the_initial_values(make_servicer):
+    servicer = make_servicer()
+    cfg = config(keras.optimizers.SGD(1.0))
+    register(servicer, 1, cfg)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(got=pull(servicer, 0)))
+    thread.start()
+    time.sleep(0.3)
+    assert "got" not in result
+    values = initial()
+    register(servicer, 0, cfg, values)
+    thread.join(10)
+    got, versions = result["got"]
+    assert set(versions.values()) == {0}
+    for k in values:
+        np.testing.assert_array_equal(got[k], values[k])
+
+
+def test_pull_waits_for_the_step_then_returns_it(ready):
+    servicer, values = ready
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(got=pull(servicer, 1)))
+    thread.start()
+    push(servicer, 0, grad_chunks(ints(0), 0))
+    time.sleep(0.3)
+    assert "got" not in result
+    push(servicer, 1, grad_chunks(ints(1), 0))
+    thread.join(10)
+    assert set(result["got"][1].values()) == {1}
+
+
+def test_pull_deadline(ready):
+    servicer, _ = ready
+    context = Context(timeout=0.3)
+    start = time.monotonic()
+    request = ps_pb2.PullRequest(worker_id=0, min_version=1,
+                                 items=[ps_pb2.KeyPartition(key=1, partition=0)])
+    expect_abort(servicer.Pull, request, grpc.StatusCode.DEADLINE_EXCEEDED,
+                 "version 0", "min_version=1", context=context)
+    assert 0.25 < time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("fields, code, fragment", [
+    (dict(items=[ps_pb2.KeyPartition(key=5)]), grpc.StatusCode.NOT_FOUND, "key=5"),
+    (dict(items=[ps_pb2.KeyPartition(key=0, partition=3)]), grpc.StatusCode.NOT_FOUND,
+     "partition=3"),
+    (dict(min_version=-1), grpc.StatusCode.INVALID_ARGUMENT, "min_version=-1"),
+    (dict(worker_id=7), grpc.StatusCode.INVALID_ARGUMENT, "worker_id=7"),
+])
+def test_bad_pull_requests(ready, fields, code, fragment):
+    servicer, _ = ready
+    expect_abort(servicer.Pull, ps_pb2.PullRequest(**fields), code, fragment)
+
+
+def test_versions_are_serialized_once_and_shared(ready):
+    servicer, _ = ready
+    request = ps_pb2.PullRequest(items=[ps_pb2.KeyPartition(key=0, partition=1)])
+    first = next(servicer.Pull(request, Context()))
+    second = next(servicer.Pull(request, Context()))
+    assert first is second
+
+
+# --------------------------------------------------- optimizer equals Keras
+
+def lr_schedule():
+    return keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)
+
+
+def adamw_without_bias_decay():
+    optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.2)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: keras.optimizers.SGD(0.1),
+    lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    lambda: keras.optimizers.Adam(0.01),
+    lambda: keras.optimizers.Adam(lr_schedule()),
+    lambda: keras.optimizers.RMSprop(0.01, clipvalue=0.5),
+    adamw_without_bias_decay,
+], ids=["sgd", "momentum", "adam", "adam-schedule", "rmsprop-clipvalue", "adamw-decay"])
+def test_updates_equal_single_process_keras(make_servicer, make_optimizer):
+    servicer = make_servicer()
+    values = initial(3)
+    reference_vars = [keras.Variable(values[k], name=name.split("/")[-1])
+                      for k, (name, _) in SHAPES.items()]
+    reference = make_optimizer()
+    reference.build(reference_vars)
+    cfg = config(make_optimizer(), reference_vars)
+    if isinstance(reference, keras.optimizers.AdamW):
+        assert json.loads(cfg)["prophet_tf_no_weight_decay"] == [1]  # the bias
+    register(servicer, 0, cfg, values)
+    register(servicer, 1, cfg)
+    rng = np.random.default_rng(7)
+    for step in range(4):
+        grads = [{k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in SHAPES.items()}
+                 for _ in range(2)]
+        push(servicer, 1, grad_chunks(grads[1], step))
+        push(servicer, 0, grad_chunks(grads[0], step))
+        reference.apply([grads[0][k] + grads[1][k] for k in SHAPES], reference_vars)
+        got, versions = pull(servicer, step + 1)
+        assert set(versions.values()) == {step + 1}
+        for k, variable in enumerate(reference_vars):
+            np.testing.assert_allclose(got[k], variable.numpy(), rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{SHAPES[k][0]} at step {step}")
+
+
+# ------------------------------------------------------------- wire format
+
+def test_hand_framed_messages_are_valid_protobuf():
+    from prophet_tf.ps import server
+    from prophet_tf.ps.servicer import encode_parameter_chunk
+
+    grad = np.arange(12, dtype=np.float32).reshape(3, 4)
+    half = np.array([1.5, -2.0], ml_dtypes.bfloat16)
+    chunks = [ps_client.Chunk(3, 1, 2**40, grad[1:]), ps_client.Chunk(0, 0, 7, half)]
+    parts, size = ps_client._encode_push(5, chunks)
+    wire = b"".join(parts)
+    assert len(wire) == size
+    reference = ps_pb2.PushRequest.FromString(wire)  # protobuf's own parser agrees
+    assert reference.worker_id == 5
+    assert [(c.key, c.step, c.partition, c.dtype) for c in reference.chunks] == [
+        (3, 2**40, 1, "float32"), (0, 7, 0, "bfloat16")]
+    assert reference.chunks[0].data == grad[1:].tobytes()
+    fast = server.parse_push_request(wire)
+    assert fast.worker_id == 5 and fast.malformed is None
+    assert [(c.key, c.step, c.partition, c.dtype, bytes(c.data)) for c in fast.chunks] == [
+        (c.key, c.step, c.partition, c.dtype, c.data) for c in reference.chunks]
+
+    encoded = encode_parameter_chunk(2, 1, 9, "bfloat16", half)
+    assert ps_pb2.ParameterChunk.FromString(encoded) == ps_pb2.ParameterChunk(
+        key=2, partition=1, version=9, dtype="bfloat16", data=half.tobytes())
+    pulled = ps_client._decode_parameter_chunk(encoded)
+    assert pulled[:3] == (2, 1, 9)
+    np.testing.assert_array_equal(pulled.array, half)
+
+
+def test_malformed_push_bytes_are_invalid_argument(ready):
+    from prophet_tf.ps import server
+
+    servicer, _ = ready
+    request = server.parse_push_request(b"\x12\xff\x01abc")  # a chunk longer than the message
+    assert request.malformed
+    expect_abort(servicer.Push, request, grpc.StatusCode.INVALID_ARGUMENT,
+                 "not a PushRequest", "needs 255 bytes", "(6 bytes)")

@@ -1,6 +1,23 @@
 """prophet_tf: multi-worker Keras 3 training through a gRPC parameter server,
-with gradient traffic scheduled by Prophet."""
+with gradient traffic scheduled by Prophet.
+
+    strategy = prophet_tf.Strategy()          # cluster from TF_CONFIG
+    with strategy.scope():
+        model = ...; model.compile(...)
+    model.fit(data, epochs=...)
+"""
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["Strategy", "ops_available", "__version__"]
+
+
+def __getattr__(name):
+    # Imported on first use: `prophet-tf launch` and the CLI stay light.
+    if name == "Strategy":
+        from prophet_tf.strategy import Strategy
+        return Strategy
+    if name == "ops_available":
+        from prophet_tf._native import ops_available
+        return ops_available
+    raise AttributeError(f"module 'prophet_tf' has no attribute {name!r}")

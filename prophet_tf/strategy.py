@@ -1,0 +1,284 @@
+"""prophet_tf.Strategy: Keras 3 `fit` on many workers through the parameter server.
+
+The strategy is a `OneDeviceStrategy` on each worker's CPU whose hooks route
+the model through the parameter server (see docs in README "How it works"):
+
+- `_create_variable`: every trainable float variable becomes a `PSVariable`
+  whose reads wait (per key) for the version of the current step.
+- `_batch_reduce_to`: Keras hands over all gradients at once (before its
+  IdentityN); they are kept, unreduced, so that each push can start as soon as
+  its own gradient exists.
+- `_update`: for each (variable, gradient) Keras would apply, a `PushGrad` op
+  hands the gradient to the engine; the PS sums the workers' gradients and
+  applies the optimizer, so nothing is applied locally.
+- `_num_replicas_in_sync` is the number of workers, so Keras divides each
+  worker's loss by it and the PS's sum is the global-batch mean gradient.
+
+TF-private imports stay in this module.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import input_lib  # noqa: F401  (imported for its side effects on dataset types)
+from tensorflow.python.distribute import one_device_strategy
+from tensorflow.python.ops import control_flow_util
+
+from prophet_tf import _native
+from prophet_tf import cluster as cluster_lib
+from prophet_tf.variables import PSVariable
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+# Optimizer options the PS cannot reproduce exactly, with the reason.
+_UNSUPPORTED_OPTIMIZER_OPTIONS = {
+    "clipnorm": "each worker would clip its own half of the gradient before the sum",
+    "clipvalue": "each worker would clip its own half of the gradient before the sum",
+    "global_clipnorm": "each worker would clip its own half of the gradient before the sum",
+    "use_ema": "the moving average would live on the workers, not on the PS",
+    "gradient_accumulation_steps": "accumulation would happen on the workers, not on the PS",
+}
+
+
+class Strategy(one_device_strategy.OneDeviceStrategy):
+    """Synchronous data-parallel training through a gRPC parameter server.
+
+    Every worker runs the same Keras script:
+
+        strategy = prophet_tf.Strategy()       # cluster from TF_CONFIG
+        with strategy.scope():
+            model = build_model()
+            model.compile(optimizer="adam", loss=...)
+        model.fit(dataset, epochs=...)
+
+    Args:
+      cluster: None to read TF_CONFIG; a TF_CONFIG-shaped dict (or JSON
+        string); or a `tf.distribute.cluster_resolver.ClusterResolver`.
+      scheduler: how gradient traffic is scheduled. Only "fifo" for now.
+      rpc_timeout_s: deadline for each RPC and for waiting on a parameter.
+      timeline: reserved for the Chrome-trace timeline.
+
+    Raises:
+      ValueError: the cluster description is malformed, this task is not a
+        worker, or an option is invalid; the message names what was received.
+    """
+
+    def __init__(self, cluster: Any = None, scheduler: str = "fifo", *,
+                 rpc_timeout_s: float = 120.0, timeline: str | None = None):
+        config = cluster_lib.resolve(cluster)
+        if not config.is_worker:
+            raise ValueError("prophet_tf.Strategy runs on worker tasks; a ps task runs "
+                             f"`prophet-tf ps`. Received: task type={config.task_type!r}")
+        from prophet_tf.engine import Engine  # Imports grpc; keep it out of module import.
+        engine = Engine(config, scheduler=scheduler, rpc_timeout_s=rpc_timeout_s,
+                        timeline=timeline)
+        _native.load()  # Fail here, with the rebuild hint, if the op library is broken.
+        distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine))
+
+    @property
+    def cluster(self) -> cluster_lib.ClusterConfig:
+        return self.extended.cluster
+
+    @property
+    def worker_index(self) -> int:
+        return self.extended.cluster.task_index
+
+    def shutdown(self) -> None:
+        """Stops the engine's background work; the strategy cannot train afterwards."""
+        self.extended.engine.shutdown()
+
+
+class PSExtended(one_device_strategy.OneDeviceExtended):
+    """The hooks behind `Strategy`."""
+
+    def __init__(self, container_strategy, config: cluster_lib.ClusterConfig, engine):
+        super().__init__(container_strategy, "/cpu:0")
+        self.cluster = config
+        self.engine = engine
+        # Training steps started by this worker; reads in step k want version k.
+        with tf.init_scope():
+            self._step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     name="prophet_tf_step", synchronization=tf.VariableSynchronization.NONE)
+        self._ps_variables: list[PSVariable] = []
+        self._raw_grads: list[tf.Tensor] = []
+        self._step_value: tf.Tensor | None = None
+        self._trained: list[PSVariable] = []  # In trainable_variables order: priorities.
+        self._registered: list[PSVariable] | None = None
+        self._eager_warned = False
+
+    # -- variables -------------------------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        variable = super()._create_variable(next_creator, **kwargs)
+        if (_is_plain_resource_variable(variable) and variable.trainable
+                and variable.dtype in _FLOAT_DTYPES):
+            variable = PSVariable.adopt(variable, key=len(self._ps_variables), step_variable=self._step)
+            self._ps_variables.append(variable)
+        return variable
+
+    @property
+    def _num_replicas_in_sync(self):
+        return self.cluster.num_workers
+
+    # -- input -----------------------------------------------------------------------------
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        return super()._experimental_distribute_dataset(
+            split_batches(dataset, self.cluster.num_workers, self.cluster.task_index), options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        context = distribute_lib.InputContext(
+            num_input_pipelines=self.cluster.num_workers,
+            input_pipeline_id=self.cluster.task_index,
+            num_replicas_in_sync=self.cluster.num_workers)
+        return super()._distribute_datasets_from_function(lambda _: dataset_fn(context), options)
+
+    # -- gradients -------------------------------------------------------------------------
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            raise ValueError("prophet_tf's ops have no XLA kernels: compile the model with "
+                             "jit_compile=False (the default under a tf.distribute strategy). "
+                             "Received: jit_compile=True")
+        if tf.executing_eagerly() and not self._eager_warned:
+            self._eager_warned = True
+            warnings.warn("run_eagerly=True under prophet_tf.Strategy runs every op in order: "
+                          "gradient pushes cannot overlap backprop and each layer's forward "
+                          "waits for all parameters. Use run_eagerly=False for speed.",
+                          stacklevel=2)
+        return super()._call_for_each_replica(fn, args, kwargs)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        # The gradients, before Keras joins them in one IdentityN: each push
+        # below depends on its own gradient only, so pushes overlap backprop.
+        values = [value for value, _ in value_destination_pairs]
+        self._raw_grads = list(values)
+        self._trained_this_trace: list[PSVariable] = []
+        # Version this step's forward read; the next step reads version + 1.
+        self._step_value = self._step.read_value()
+        self._step.assign_add(1)
+        return values
+
+    def _update(self, var, fn, args, kwargs, group):
+        if not args:  # Weight decay and friends: the PS applies the whole optimizer.
+            return ()
+        if not isinstance(var, PSVariable):
+            raise ValueError(
+                f"The variable {var.name!r} was created outside prophet_tf.Strategy.scope(). "
+                "Create the model and the optimizer inside `with strategy.scope():`.")
+        position = len(self._trained_this_trace)
+        if position >= len(self._raw_grads):
+            raise RuntimeError(f"More updates than gradients: {var.name!r} has no gradient "
+                               f"among the {len(self._raw_grads)} reduced.")
+        grad = self._raw_grads[position]
+        if isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+        if grad.shape != var.shape:
+            raise RuntimeError(f"Gradient {position} has shape {grad.shape}, but the variable "
+                               f"{var.name!r} it updates has shape {var.shape}.")
+        self._trained_this_trace.append(var)
+        if len(self._trained_this_trace) == len(self._raw_grads):
+            self._register(list(self._trained_this_trace), fn)
+        with tf.device("/cpu:0"):
+            _native.push_grad(var.handle, tf.cast(grad, var.dtype), key=var.ps_key, step=self._step_value)
+        return ()
+
+    def _register(self, trained: list[PSVariable], update_fn) -> None:
+        """Starts training through the PS once the trained variables are known."""
+        if self._registered is not None:
+            if [v.ps_key for v in trained] != [v.ps_key for v in self._registered]:
+                raise ValueError(
+                    "The set of trained variables changed after training started "
+                    f"(was keys {[v.ps_key for v in self._registered]}, now "
+                    f"{[v.ps_key for v in trained]}); recompile before changing `trainable`.")
+            return
+        untrained = [v for v in self._ps_variables if all(v is not t for t in trained)]
+        optimizer = _optimizer_of(update_fn)
+        with tf.init_scope():
+            config = optimizer_config(optimizer, trained)
+            self.engine.start(trained, config)
+            for variable in untrained:
+                # Frozen: its reads return the staged local value at any step.
+                _native.freeze_param(variable.ps_key)
+            for variable in trained:
+                variable._ps_managed = True
+        self._registered = trained
+
+
+def _is_plain_resource_variable(variable) -> bool:
+    from tensorflow.python.ops import resource_variable_ops
+    return type(variable) is resource_variable_ops.ResourceVariable
+
+
+def _optimizer_of(update_fn):
+    """The Keras optimizer whose update step `update_fn` is (a closure over it).
+
+    tf.distribute wraps the function (autograph), so closures are searched a
+    few levels deep.
+    """
+    import keras
+    pending, seen = [update_fn], set()
+    while pending:
+        fn = pending.pop()
+        if id(fn) in seen or len(seen) > 32:
+            continue
+        seen.add(id(fn))
+        if isinstance(fn, keras.optimizers.Optimizer):
+            return fn
+        if getattr(fn, "__wrapped__", None) is not None:
+            pending.append(fn.__wrapped__)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                pending.append(cell.cell_contents)
+            except ValueError:  # An empty cell.
+                pass
+    raise ValueError("prophet_tf.Strategy trains with a Keras optimizer through "
+                     f"model.compile/fit or optimizer.apply. Received: update function {update_fn!r}")
+
+
+def optimizer_config(optimizer, trained: list) -> str:
+    """The JSON config the PS rebuilds the optimizer from.
+
+    Raises:
+      ValueError: the optimizer uses an option the PS cannot apply exactly.
+    """
+    from prophet_tf.ps.client import optimizer_config_json
+    for option, reason in _UNSUPPORTED_OPTIMIZER_OPTIONS.items():
+        value = getattr(optimizer, option, None)
+        if value:
+            raise ValueError(f"prophet_tf cannot apply the optimizer option {option}: {reason}. "
+                             f"Remove it from the optimizer. Received: {option}={value!r}")
+    config = json.loads(optimizer_config_json(optimizer, trained))
+    # The worker unscales gradients before pushing them; the PS must not again.
+    config.get("config", {}).pop("loss_scale_factor", None)
+    return json.dumps(config)
+
+
+def split_batches(dataset: tf.data.Dataset, num_workers: int, index: int) -> tf.data.Dataset:
+    """Gives worker `index` its share of each global batch.
+
+    Every worker reads the same batches (like TF's AutoShardPolicy.DATA) and
+    keeps rows [index*n//W, (index+1)*n//W) of each batch of n rows, so every
+    worker takes the same number of steps and the union of one step's shares
+    is exactly the global batch.
+    """
+    if num_workers == 1:
+        return dataset
+
+    def share(*batch):
+        def take(t):
+            n = tf.shape(t, out_type=tf.int64)[0]
+            begin = n * index // num_workers
+            end = n * (index + 1) // num_workers
+            return t[begin:end]
+        result = tf.nest.map_structure(take, batch)
+        return result if len(batch) > 1 else result[0]
+
+    return dataset.map(share, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

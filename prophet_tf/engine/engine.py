@@ -16,6 +16,7 @@ PS knows the trained variables by their position in `trainable_variables`
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
 import logging
@@ -27,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from prophet_tf import _native
+from prophet_tf import _native, codec
 from prophet_tf import cluster as cluster_lib
 from prophet_tf.engine import schedulers
 from prophet_tf.ps import sharding
@@ -39,9 +40,12 @@ SCHEDULER_ENV = "PROPHET_TF_SCHEDULER"
 
 
 class EngineStamp(enum.IntEnum):
-    """Engine events in the op library's stamp buffer (kinds >= 16)."""
+    """Engine events in the op library's stamp buffer (kinds >= 16).
 
-    PUSH_BEGIN = 16  # key = PS key, step = training step
+    Like the ops' own stamps, they name a variable by its op-library key.
+    """
+
+    PUSH_BEGIN = 16  # step = training step
     PUSH_END = 17
     PULL_RECEIVED = 18  # one partition of version `step` arrived
 
@@ -95,6 +99,7 @@ class Engine:
         self._row_bytes = [
             int(np.prod(s.shape[1:], dtype=np.int64)) * _itemsize(s.dtype) if s.shape else
             _itemsize(s.dtype) for s in specs]
+        codec.tune_allocator()  # Recycle transfer buffers instead of page-faulting them in.
         self._clients = [PSClient(address, self.worker_id, self.config.num_workers)
                          for address in self.config.ps]
         for client in self._clients:
@@ -121,6 +126,9 @@ class Engine:
             self._spawn(f"prophet-tf-send-{i}", self._sender, i)
             self._spawn(f"prophet-tf-pull-{i}", self._puller, i)
         self._started = True
+        # Push the last step's gradients before the interpreter exits, or the
+        # other workers would wait for them in vain.
+        atexit.register(self.shutdown)
         logger.info("worker %d: training %d variables through %d PS task(s), scheduler %s",
                     self.worker_id, len(specs), len(self._clients), self.scheduler_name)
 
@@ -196,14 +204,14 @@ class Engine:
                 continue
             keys = sorted({(c.key, c.step) for c in chunks})
             for key, step in keys:
-                _native.stamp(key, step, EngineStamp.PUSH_BEGIN)
+                _native.stamp(self._native_keys[key], step, EngineStamp.PUSH_BEGIN)
             try:
                 client.push(chunks, timeout=self.rpc_timeout_s)
             except Exception as e:
                 raise RuntimeError(f"push to PS {ps_index} at {client.address} failed: "
                                    f"{_rpc_message(e)}") from e
             for key, step in keys:
-                _native.stamp(key, step, EngineStamp.PUSH_END)
+                _native.stamp(self._native_keys[key], step, EngineStamp.PUSH_END)
             self._release(chunks)
             with self._sends_done:
                 self._pending_sends -= 1
@@ -234,7 +242,7 @@ class Engine:
                        key=lambda p: (self._specs[p.key].priority, p.partition))
         try:
             for chunk in client.pull(owned, version, timeout=self.rpc_timeout_s):
-                _native.stamp(chunk.key, version, EngineStamp.PULL_RECEIVED)
+                _native.stamp(self._native_keys[chunk.key], version, EngineStamp.PULL_RECEIVED)
                 self._deliver_partition(chunk, version)
         except Exception as e:
             if self._stop.is_set():
@@ -289,7 +297,6 @@ class Engine:
 
 
 def _itemsize(dtype_name: str) -> int:
-    from prophet_tf import codec
     return codec.to_numpy_dtype(dtype_name).itemsize
 
 

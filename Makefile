@@ -13,7 +13,7 @@ STAMP := $(VENV)/.prophet_tf-installed
 .PHONY: demo test install build bench clean
 
 demo: build
-	$(PY) examples/demo.py
+	$(PY) -m prophet_tf launch --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
 test: build
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -48,8 +48,11 @@ def compile_ops(output: pathlib.Path):
     if not sources:
         raise RuntimeError(f"no C++ sources under {OPS_DIR}")
     cxx = os.environ.get("CXX", "g++")
-    cmd = [cxx, "-shared", "-fPIC", "-O2", "-Wall", "-Wno-deprecated-declarations", f"-I{OPS_DIR}",
-           *tf.sysconfig.get_compile_flags(), *sources,
+    # TensorFlow's headers are included as system headers so that -Wall
+    # reports on our sources, not on theirs.
+    tf_flags = ["-isystem" + f[2:] if f.startswith("-I") else f
+                for f in tf.sysconfig.get_compile_flags()]
+    cmd = [cxx, "-shared", "-fPIC", "-O2", "-Wall", f"-I{OPS_DIR}", *tf_flags, *sources,
            "-o", str(output), *tf.sysconfig.get_link_flags()]
     print(" ".join(cmd), flush=True)
     subprocess.check_call(cmd)

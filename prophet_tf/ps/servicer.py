@@ -169,6 +169,9 @@ class ParameterServerServicer:
         self._lock = threading.Lock()  # model definition, versions, sums
         self._apply_lock = threading.Lock()  # the optimizer and the variables
         self._model: _Model | None = None
+        # Set when a worker declared another model: the job can never make
+        # progress, so every waiting and later Pull/Push fails with it.
+        self._conflict: str | None = None
         self._parts: dict[tuple[int, int], _Part] = {}
         self._applies: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -228,7 +231,13 @@ class ParameterServerServicer:
             if model is None:
                 model = self._define_model(request)  # validates; installs nothing yet
             else:
-                self._check_same_model(model, request)
+                try:
+                    self._check_same_model(model, request)
+                except RpcError as e:
+                    self._conflict = f"worker {request.worker_id} declared another model: {e.message}"
+                    for part in self._parts.values():
+                        part.cond.notify_all()
+                    raise
             initial = self._check_initial_values(model, request.initial_values)
             if self._model is None:
                 self._install_model(model)
@@ -417,6 +426,8 @@ class ParameterServerServicer:
     def _push(self, request):
         if getattr(request, "malformed", None):
             raise _invalid(f"The request is not a PushRequest. Received: {request.malformed}")
+        if self._conflict:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._conflict)
         W, wid = self.num_workers, request.worker_id
         if not 0 <= wid < W:
             raise _invalid(f"worker_id must be in [0, {W}). Received: worker_id={wid}")
@@ -555,6 +566,8 @@ class ParameterServerServicer:
     def _wait_version(self, part, min_version, context):
         with self._lock:
             while part.version < min_version:
+                if self._conflict:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._conflict)
                 if part.failed:
                     raise RpcError(grpc.StatusCode.INTERNAL, part.failed)
                 remaining = context.time_remaining()

@@ -523,3 +523,21 @@ def test_malformed_push_bytes_are_invalid_argument(ready):
     assert request.malformed
     expect_abort(servicer.Push, request, grpc.StatusCode.INVALID_ARGUMENT,
                  "not a PushRequest", "needs 255 bytes", "(6 bytes)")
+
+
+def test_a_conflicting_model_fails_the_waiting_pulls_of_the_others(make_servicer):
+    # Workers that disagree on the model can never finish a step: the worker
+    # already waiting learns it at once instead of at its deadline.
+    servicer = make_servicer()
+    cfg = config(keras.optimizers.SGD(0.1))
+    register(servicer, 0, cfg, initial())
+    variables = specs()
+    variables[0].shape[1] = 5
+    request = ps_pb2.RegisterRequest(worker_id=1, num_workers=2, variables=variables,
+                                     optimizer_config=cfg)
+    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT, "Variable 0")
+    pull = ps_pb2.PullRequest(worker_id=0, min_version=1,
+                              items=[ps_pb2.KeyPartition(key=0, partition=0)])
+    expect_abort(servicer.Pull, pull,
+                 grpc.StatusCode.FAILED_PRECONDITION, "worker 1 declared another model",
+                 "shape=[6, 5]")

@@ -26,11 +26,24 @@ import time
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Loaded here, not in the child: dlopen between fork and exec can deadlock
+# when another thread (a relay) held the loader's lock at fork time.
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
-def _die_with_parent():  # Runs in the child between fork and exec.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent(parent_pid: int):
+    def preexec():  # Runs in the child between fork and exec.
+        # The launcher's SIGTERM handler is inherited until exec: a death
+        # signal arriving now would only set its flag. Default action instead.
+        _libc.signal(signal.SIGTERM, ctypes.c_void_p(0))  # SIG_DFL
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # The launcher died before prctl took effect.
+            os._exit(128 + signal.SIGTERM)
+    return preexec
+
+
+class _Interrupted(Exception):
+    """SIGTERM/SIGINT reached the launcher while it was starting the PS tasks."""
 
 
 class Task:
@@ -41,7 +54,7 @@ class Task:
         self._out = out or sys.stdout
         self.process = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid()))
         self._relay = threading.Thread(target=self._pump, name=f"relay-{name}", daemon=True)
         self._relay.start()
 
@@ -54,6 +67,10 @@ class Task:
 
     def poll(self):
         return self.process.poll()
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after `grace_s`; always reaps."""
@@ -74,9 +91,12 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_port_file(task: Task, path: str, timeout_s: float) -> int:
+def _wait_for_port_file(task: Task, path: str, timeout_s: float,
+                        stopping: threading.Event) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stopping.is_set():
+            raise _Interrupted
         if task.poll() is not None:
             raise RuntimeError(f"{task.name} exited with code {task.poll()} before it listened")
         try:
@@ -89,13 +109,19 @@ def _wait_for_port_file(task: Task, path: str, timeout_s: float) -> int:
     raise TimeoutError(f"{task.name} did not report its port within {timeout_s:.0f} s")
 
 
-def _wait_healthy(address: str, timeout_s: float) -> None:
+def _wait_healthy(task: Task, address: str, timeout_s: float,
+                  stopping: threading.Event) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
+            if stopping.is_set():
+                raise _Interrupted
+            if task.poll() is not None:
+                raise RuntimeError(f"{task.name} exited with code {task.poll()} before it "
+                                   "was SERVING")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -134,16 +160,17 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
                 ps_addresses.append((tasks[-1], port_file))
             addresses = []
             for task, port_file in ps_addresses:
-                port = _wait_for_port_file(task, port_file, startup_timeout_s)
+                port = _wait_for_port_file(task, port_file, startup_timeout_s, stopping)
                 addresses.append(f"{host}:{port}")
-            for address in addresses:
-                _wait_healthy(address, startup_timeout_s)
+            for (task, _), address in zip(ps_addresses, addresses):
+                _wait_healthy(task, address, startup_timeout_s, stopping)
             # Workers do not listen yet; a free port keeps their names valid addresses.
             workers = [f"{host}:{_free_port(host)}" for _ in range(num_workers)]
             cluster = {"worker": workers, "ps": addresses}
             worker_tasks = []
             for i in range(num_workers):
                 env = dict(os.environ)
+                env.setdefault("PYTHONUNBUFFERED", "1")  # Relay Python workers' lines as printed.
                 env["TF_CONFIG"] = json.dumps({"cluster": cluster,
                                                "task": {"type": "worker", "index": i}})
                 if scheduler:
@@ -151,7 +178,13 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
                 worker_tasks.append(Task(f"worker {i}", list(command), env, out))
             tasks.extend(worker_tasks)
             return _supervise(tasks, worker_tasks, stopping)
+    except _Interrupted:
+        print("prophet-tf launch: interrupted while the PS tasks were starting; stopping them",
+              file=sys.stderr, flush=True)
+        return 130
     finally:
+        for task in tasks:  # Signal everyone first: the PS grace periods overlap.
+            task.terminate()
         for task in reversed(tasks):
             task.stop()
         for s, handler in previous.items():
@@ -167,7 +200,8 @@ def _supervise(tasks: list[Task], workers: list[Task], stopping: threading.Event
                 logger.error("%s exited with code %s; stopping the cluster", task.name, code)
                 print(f"prophet-tf launch: {task.name} exited with code {code}; stopping the "
                       "other tasks", file=sys.stderr, flush=True)
-                return code if code else 1
+                # Killed by signal N (code -N): exit 128+N like a shell would.
+                return 128 - code if code < 0 else code or 1
         if all(w.poll() == 0 for w in workers):
             return 0
         time.sleep(0.1)
@@ -192,13 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="seconds to wait for each PS to become healthy")
     args = parser.parse_args(argv)
-    if args.scheduler is not None:
-        from prophet_tf.engine.schedulers import validate_scheduler
-        validate_scheduler(args.scheduler)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.scheduler is not None:
+            from prophet_tf.engine.schedulers import validate_scheduler
+            validate_scheduler(args.scheduler)
         return launch(command, args.workers, args.ps, args.scheduler, args.host,
                       args.startup_timeout)
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"prophet-tf launch: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. the worker command does not exist
+        print(f"prophet-tf launch: cannot start a task: {e}", file=sys.stderr)
+        return 127 if isinstance(e, FileNotFoundError) else 126

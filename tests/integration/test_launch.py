@@ -1,0 +1,339 @@
+"""`prophet-tf launch`: real PS tasks, tiny worker scripts (no TensorFlow).
+
+Workers report what they see as JSON lines ("REPORT {...}"): their pid, their
+TF_CONFIG, PROPHET_TF_SCHEDULER, the health status of every PS address and the
+pids of their siblings (the launcher's other children, PS tasks included), so
+the test can check after the launcher returned that none of them is left.
+"""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+WORKER = textwrap.dedent(r'''
+    import json, os, sys, time
+
+    def siblings():
+        out = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == os.getppid():
+                out.append(int(entry))
+        return out
+
+    def health(addresses):
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        status = {}
+        for address in addresses:
+            with grpc.insecure_channel(address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=10)
+                status[address] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return status
+
+    config = json.loads(os.environ["TF_CONFIG"])
+    index = config["task"]["index"]
+    mode = sys.argv[1]
+    report = {"pid": os.getpid(), "index": index, "tf_config": config,
+              "scheduler": os.environ.get("PROPHET_TF_SCHEDULER"), "siblings": siblings()}
+    if mode == "check":
+        report["health"] = health(config["cluster"]["ps"])
+    print("REPORT " + json.dumps(report), flush=True)
+    print(f"hello from worker {index}", flush=True)
+    if mode == "check":
+        sys.exit(0)
+    if mode == "selfkill":
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "sleep" or (mode == "fail1" and index == 1):
+        open(sys.argv[2] + f".{index}", "w").close()   # "my pid is printed"
+        time.sleep(120)
+        sys.exit(0)
+    # fail1, worker 0: fail once worker 1 is up and has reported.
+    while not os.path.exists(sys.argv[2] + ".1"):
+        time.sleep(0.05)
+    sys.exit(3)
+''')
+
+
+@pytest.fixture
+def worker_script(tmp_path):
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return path
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2",
+               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+    for name in ("TF_CONFIG", "PROPHET_TF_SCHEDULER"):
+        env.pop(name, None)
+    return env
+
+
+def _launch_argv(*args):
+    return [sys.executable, "-m", "prophet_tf", "launch", *args]
+
+
+def _state(pid):
+    """The /proc state letter of `pid`, or None when it no longer exists."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+    except OSError:
+        return None
+
+
+def _wait_gone(pids, timeout=10.0):
+    """Pids still running (not exited) after `timeout`; zombies count as gone
+    only when they are not ours to reap (their parent, the launcher, is dead)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if _state(p) not in (None, "Z")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _kill_leftovers(pids):
+    for pid in pids:
+        if _state(pid) not in (None, "Z"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _reap(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+def _reports(output):
+    return sorted((json.loads(line.split("REPORT ", 1)[1]) for line in output.splitlines()
+                   if "REPORT " in line), key=lambda r: r["index"])
+
+
+def _run(args, timeout=120):
+    return subprocess.run(_launch_argv(*args), env=_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _start_and_wait(tmp_path, args, want_reports, timeout=120):
+    """Starts the launcher (output to a file) and waits for `want_reports` REPORT lines."""
+    log = tmp_path / "launch.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(_launch_argv(*args), env=_env(), cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while len(_reports(log.read_text(errors="replace"))) < want_reports:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _reap(proc)
+            pytest.fail(f"launcher exited ({proc.returncode}) or timed out before the "
+                        f"workers reported:\n{log.read_text(errors='replace')}")
+        time.sleep(0.1)
+    return proc, log
+
+
+@pytest.mark.timeout(120)
+def test_workers_get_own_tf_config_and_serving_ps(worker_script):
+    result = _run(["--workers", "2", "--ps", "2", "--scheduler", "fifo", "--",
+                   sys.executable, str(worker_script), "check"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = _reports(result.stdout)
+    assert [r["index"] for r in reports] == [0, 1]
+    cluster = reports[0]["tf_config"]["cluster"]
+    assert len(cluster["worker"]) == 2 and len(cluster["ps"]) == 2
+    assert len(set(cluster["ps"])) == 2
+    for i, r in enumerate(reports):
+        assert r["tf_config"] == {"cluster": cluster, "task": {"type": "worker", "index": i}}
+        assert r["health"] == {address: "SERVING" for address in cluster["ps"]}
+        assert r["scheduler"] == "fifo"
+    # Every line carries its task's name.
+    lines = result.stdout.splitlines()
+    for i in range(2):
+        assert f"[worker {i}] hello from worker {i}" in lines
+        assert any(line.startswith(f"[worker {i}] REPORT ") for line in lines)
+    for line in lines:
+        assert line.startswith(("[worker 0] ", "[worker 1] ", "[ps 0] ", "[ps 1] ")), line
+    # PS tasks log "listening" (logging goes to their stderr, relayed too).
+    output = result.stdout
+    assert "[ps 0] " in output and "[ps 1] " in output
+    # Siblings seen by the workers = the PS tasks and the other worker: all gone.
+    pids = {r["pid"] for r in reports} | {p for r in reports for p in r["siblings"]}
+    assert len(pids) >= 4
+    assert _wait_gone(pids, timeout=5) == []
+
+
+@pytest.mark.timeout(90)
+def test_failing_worker_stops_the_others(worker_script, tmp_path):
+    result = _run(["--workers", "2", "--ps", "1", "--",
+                   sys.executable, str(worker_script), "fail1", str(tmp_path / "up")])
+    reports = _reports(result.stdout)
+    pids = {r["pid"] for r in reports} | {p for r in reports for p in r["siblings"]}
+    try:
+        assert result.returncode == 3, result.stdout + result.stderr
+        assert "worker 0 exited with code 3" in result.stderr
+        assert [r["index"] for r in reports] == [0, 1]
+        assert len(pids) >= 3   # two workers and the PS
+        assert _state(reports[1]["pid"]) is None   # the sleeper was stopped and reaped
+        assert _wait_gone(pids, timeout=5) == []
+    finally:
+        _kill_leftovers(pids)
+
+
+@pytest.mark.timeout(90)
+def test_worker_killed_by_signal_exits_128_plus_n(worker_script):
+    result = _run(["--workers", "1", "--ps", "1", "--",
+                   sys.executable, str(worker_script), "selfkill"])
+    assert result.returncode == 128 + signal.SIGKILL, result.stdout + result.stderr
+    assert "worker 0 exited with code -9" in result.stderr
+    pids = {p for r in _reports(result.stdout) for p in r["siblings"]}
+    assert pids and _wait_gone(pids, timeout=5) == []
+
+
+@pytest.mark.timeout(90)
+def test_missing_worker_executable(tmp_path):
+    result = _run(["--workers", "1", "--ps", "1", "--", str(tmp_path / "no-such-program")])
+    assert result.returncode == 127, result.stdout + result.stderr
+    assert "no-such-program" in result.stderr and "Traceback" not in result.stderr
+    assert "[ps 0] " in result.stdout   # the PS was up, then stopped
+
+
+@pytest.mark.timeout(60)
+def test_unknown_scheduler_rejected_before_start(worker_script, tmp_path):
+    result = _run(["--workers", "1", "--ps", "1", "--scheduler", "nope", "--",
+                   sys.executable, str(worker_script), "sleep", str(tmp_path / "up")])
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "fifo" in result.stderr and "nope" in result.stderr
+    assert "[ps" not in result.stdout and "[worker" not in result.stdout
+    assert not (tmp_path / "up.0").exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args, message", [
+    (["--workers", "2", "--ps", "1", "--"], "no worker command"),
+    (["--workers", "2", "--ps", "1"], "no worker command"),
+    (["--workers", "0", "--ps", "1", "--", "true"], "at least one worker"),
+    (["--workers", "1", "--ps", "0", "--", "true"], "at least one worker and one ps"),
+])
+def test_bad_arguments(args, message):
+    result = _run(args, timeout=20)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "[ps" not in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_missing_workers_flag():
+    result = _run(["--ps", "1", "--", "true"], timeout=20)
+    assert result.returncode == 2
+    assert "--workers" in result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_stops_everything(worker_script, tmp_path):
+    proc, log = _start_and_wait(tmp_path, ["--workers", "2", "--ps", "1", "--", sys.executable,
+                                           str(worker_script), "sleep", str(tmp_path / "up")], 2)
+    reports = _reports(log.read_text())
+    pids = {r["pid"] for r in reports} | {p for r in reports for p in r["siblings"]}
+    try:
+        assert len(pids) >= 3
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        assert code != 0 and code in (130, 143), code
+        assert _wait_gone(pids, timeout=5) == [], log.read_text()
+    finally:
+        _reap(proc)
+        _kill_leftovers(pids)
+
+
+def _children(pid):
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_during_startup(worker_script, tmp_path):
+    """SIGTERM while the PS is still starting: no worker is started, exit 130."""
+    log = tmp_path / "launch.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            _launch_argv("--workers", "1", "--ps", "1", "--", sys.executable,
+                         str(worker_script), "sleep", str(tmp_path / "up")),
+            env=_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    pids = []
+    try:
+        deadline = time.monotonic() + 30
+        while not pids and time.monotonic() < deadline and proc.poll() is None:
+            pids = _children(proc.pid)   # the PS task, still importing TensorFlow
+            time.sleep(0.02)
+        assert pids, log.read_text()
+        time.sleep(0.3)   # its handlers are set: the launcher is waiting for the port file
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 130, log.read_text()
+        assert "interrupted while the PS tasks were starting" in log.read_text()
+        assert "[worker" not in log.read_text()
+        assert not (tmp_path / "up.0").exists()
+        assert _wait_gone(pids, timeout=5) == []
+    finally:
+        _reap(proc)
+        _kill_leftovers(pids)
+
+
+@pytest.mark.timeout(90)
+def test_sigkilled_launcher_leaves_no_orphans(worker_script, tmp_path):
+    proc, log = _start_and_wait(tmp_path, ["--workers", "1", "--ps", "1", "--", sys.executable,
+                                           str(worker_script), "sleep", str(tmp_path / "up")], 1)
+    reports = _reports(log.read_text())
+    pids = {r["pid"] for r in reports} | {p for r in reports for p in r["siblings"]}
+    try:
+        assert len(pids) >= 2   # the worker and the PS
+        proc.kill()
+        proc.wait(10)
+        # The PS shuts down gracefully on SIGTERM (no RPC in flight: quickly).
+        assert _wait_gone(pids, timeout=15) == []
+    finally:
+        _reap(proc)
+        _kill_leftovers(pids)
+
+
+class _DeadTask:
+    name = "ps 0"
+
+    @staticmethod
+    def poll():
+        return 1
+
+
+@pytest.mark.timeout(10)
+def test_wait_healthy_gives_up_when_ps_died():
+    import threading
+
+    from prophet_tf import launch
+    with pytest.raises(RuntimeError, match="ps 0 exited with code 1 before it was SERVING"):
+        launch._wait_healthy(_DeadTask(), "127.0.0.1:1", 60.0, threading.Event())

@@ -1,0 +1,109 @@
+"""The `prophet-tf` entry point (`python -m prophet_tf`): usage, dispatch, exit codes."""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prophet_tf import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def _run(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "prophet_tf", *args], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.timeout(30)
+def test_no_args_prints_usage_exit_2():
+    result = _run()
+    assert result.returncode == 2
+    out = result.stdout + result.stderr
+    assert "usage: prophet-tf COMMAND" in out
+    assert "ps" in out and "launch" in out
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_exit_0(flag, capsys):
+    assert cli.main([flag]) == 0
+    out = capsys.readouterr().out
+    assert "usage: prophet-tf COMMAND" in out
+    assert "  ps " in out and "  launch " in out
+
+
+@pytest.mark.timeout(30)
+def test_unknown_command_exit_2_lists_commands():
+    result = _run("frobnicate")
+    assert result.returncode == 2
+    assert "unknown command 'frobnicate'" in result.stderr
+    assert "valid commands: ps, launch" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_unknown_command_in_process(capsys):
+    assert cli.main(["train"]) == 2
+    assert "valid commands: ps, launch" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command, option", [("ps", "--num-workers"), ("launch", "--workers")])
+def test_subcommand_help(command, option):
+    result = _run(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert f"usage: prophet-tf {command}" in result.stdout
+    assert option in result.stdout
+
+
+@pytest.mark.timeout(90)
+def test_ps_starts_and_exits_0_on_sigterm(tmp_path):
+    from grpc_health.v1 import health_pb2
+
+    port_file = tmp_path / "port"
+    log = tmp_path / "ps.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prophet_tf", "ps", "--port", "0", "--num-workers", "1",
+             "--port-file", str(port_file)],
+            env=dict(_env(), TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1"),
+            cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        port = int(port_file.read_text())
+        assert 0 < port < 65536
+        import grpc
+        from grpc_health.v1 import health_pb2_grpc
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+        assert "listening on 127.0.0.1:" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.timeout(30)
+def test_ps_bad_flags_exit_2():
+    result = _run("ps", "--num-workers", "0", "--port", "0")
+    assert result.returncode == 2
+    assert "num_workers >= 1" in result.stderr

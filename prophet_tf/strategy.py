@@ -61,24 +61,30 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
     Args:
       cluster: None to read TF_CONFIG; a TF_CONFIG-shaped dict (or JSON
         string); or a `tf.distribute.cluster_resolver.ClusterResolver`.
-      scheduler: how gradient traffic is scheduled. Only "fifo" for now.
+      scheduler: how gradient traffic is scheduled: "fifo", "p3",
+        "bytescheduler" or "prophet", optionally with options
+        ("bytescheduler:credit_bytes=8000000"). None reads
+        PROPHET_TF_SCHEDULER, else "fifo".
+      scheduler_options: the scheduler's options as a dict (see README).
       rpc_timeout_s: deadline for each RPC and for waiting on a parameter.
-      timeline: reserved for the Chrome-trace timeline.
+      timeline: path of the Chrome-trace timeline each worker writes at exit
+        (see prophet_tf.timeline); None reads PROPHET_TF_TIMELINE.
 
     Raises:
       ValueError: the cluster description is malformed, this task is not a
         worker, or an option is invalid; the message names what was received.
     """
 
-    def __init__(self, cluster: Any = None, scheduler: str = "fifo", *,
-                 rpc_timeout_s: float = 120.0, timeline: str | None = None):
+    def __init__(self, cluster: Any = None, scheduler: str | None = None, *,
+                 scheduler_options: dict | None = None, rpc_timeout_s: float = 120.0,
+                 timeline: str | None = None):
         config = cluster_lib.resolve(cluster)
         if not config.is_worker:
             raise ValueError("prophet_tf.Strategy runs on worker tasks; a ps task runs "
                              f"`prophet-tf ps`. Received: task type={config.task_type!r}")
         from prophet_tf.engine import Engine  # Imports grpc; keep it out of module import.
-        engine = Engine(config, scheduler=scheduler, rpc_timeout_s=rpc_timeout_s,
-                        timeline=timeline)
+        engine = Engine(config, scheduler=scheduler, scheduler_options=scheduler_options,
+                        rpc_timeout_s=rpc_timeout_s, timeline=timeline)
         _native.load()  # Fail here, with the rebuild hint, if the op library is broken.
         distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine))
 
@@ -90,8 +96,16 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
     def worker_index(self) -> int:
         return self.extended.cluster.task_index
 
+    @property
+    def scheduler(self) -> str:
+        return self.extended.engine.scheduler_name
+
+    def write_timeline(self) -> str | None:
+        """Writes this worker's timeline now (it is also written at exit)."""
+        return self.extended.engine.write_timeline()
+
     def shutdown(self) -> None:
-        """Stops the engine's background work; the strategy cannot train afterwards."""
+        """Pushes what is pending and stops the engine; the strategy cannot train afterwards."""
         self.extended.engine.shutdown()
 
 

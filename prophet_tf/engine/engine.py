@@ -4,9 +4,12 @@ Threads (all daemons; any failure aborts the op runtime, so a waiting
 AwaitParam fails with the message instead of hanging):
 
 - pump: takes ready gradients from the op library (`PushGrad` enqueued them),
-  tells the scheduler, and hands each block it returns to the PS links; on the
-  first gradient of step k it asks every PS for version k+1.
-- one sender per PS task: pushes its share of each block, in order.
+  tells the scheduler about each partition, and queues each block the
+  scheduler releases on its PS link; on the first gradient of step k it asks
+  every PS for version k+1.
+- one sender per PS task: pushes its link's blocks in order, each as one
+  asynchronous RPC, at most two on the wire; a finished push tells the
+  scheduler (`on_sent`), which may release more.
 - one puller per PS task: streams the task's partitions of a version in
   priority order and delivers each parameter once all its partitions are in.
 
@@ -29,6 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from prophet_tf import _native, codec
+from prophet_tf import timeline as timeline_lib
 from prophet_tf import cluster as cluster_lib
 from prophet_tf.engine import schedulers
 from prophet_tf.ps import sharding
@@ -55,19 +59,35 @@ class Engine:
 
     Args:
       config: the resolved cluster; this task must be a worker.
-      scheduler: scheduler name; None reads PROPHET_TF_SCHEDULER, else "fifo".
+      scheduler: scheduler name, optionally with options ("bytescheduler:
+        credit_bytes=8000000"); None reads PROPHET_TF_SCHEDULER, else "fifo".
+      scheduler_options: options of the scheduler (see its class).
       rpc_timeout_s: deadline of each RPC and of waiting for a version.
+      timeline: where to write the Chrome-trace timeline (see
+        prophet_tf.timeline); None reads PROPHET_TF_TIMELINE; "" disables.
+
+    Raises:
+      ValueError: an unknown scheduler or option, or a bad timeout.
     """
 
+    #: Pushes on the wire per PS link: two hide the gap between transfers.
+    MAX_RPCS_PER_LINK = 2
+
     def __init__(self, config: cluster_lib.ClusterConfig, scheduler: str | None = None, *,
-                 rpc_timeout_s: float = 120.0, timeline: str | None = None):
-        name = scheduler if scheduler is not None else os.environ.get(SCHEDULER_ENV, "fifo")
-        self.scheduler_name = schedulers.validate_scheduler(name)
-        if rpc_timeout_s <= 0:
-            raise ValueError(f"rpc_timeout_s must be positive. Received: {rpc_timeout_s!r}")
+                 scheduler_options: dict | None = None, rpc_timeout_s: float = 120.0,
+                 timeline: str | None = None):
+        spec = scheduler if scheduler is not None else os.environ.get(SCHEDULER_ENV, "fifo")
+        name, options = schedulers.parse_scheduler(spec)
+        options.update(scheduler_options or {})
+        schedulers.validate_scheduler(name, **options)
+        if not isinstance(rpc_timeout_s, (int, float)) or rpc_timeout_s <= 0:
+            raise ValueError(f"rpc_timeout_s must be a positive number of seconds. "
+                             f"Received: rpc_timeout_s={rpc_timeout_s!r}")
+        self.scheduler_name, self.scheduler_options = name, options
         self.config = config
-        self.rpc_timeout_s = rpc_timeout_s
-        self.timeline = timeline
+        self.rpc_timeout_s = float(rpc_timeout_s)
+        self.timeline = os.environ.get(timeline_lib.TIMELINE_ENV, "") if timeline is None \
+            else timeline
         self._started = False
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -88,17 +108,22 @@ class Engine:
         """
         if self._started:
             raise RuntimeError("the engine was already started")
+        self._scheduler = schedulers.make_scheduler(self.scheduler_name, **self.scheduler_options)
+        self._partition_bytes = (self._scheduler.partition_bytes
+                                 or schedulers.DEFAULT_PARTITION_BYTES)
         self._native_keys = [v.ps_key for v in variables]
         self._ps_key_of = {k: i for i, k in enumerate(self._native_keys)}
-        specs = variable_specs(variables)
-        self._specs = specs
-        self._plan = sharding.plan(specs, self.config.num_ps)
+        self._specs = specs = variable_specs(variables)
+        self._plan = sharding.plan(specs, self.config.num_ps, self._partition_bytes)
         self._partitions_of: dict[int, list[sharding.Partition]] = {}
         for p in self._plan:
             self._partitions_of.setdefault(p.key, []).append(p)
         self._row_bytes = [
             int(np.prod(s.shape[1:], dtype=np.int64)) * _itemsize(s.dtype) if s.shape else
             _itemsize(s.dtype) for s in specs]
+        self._recorder = timeline_lib.Recorder(
+            self.worker_id, {k: v.name for k, v in zip(self._native_keys, specs)}) \
+            if self.timeline else None
         codec.tune_allocator()  # Recycle transfer buffers instead of page-faulting them in.
         self._clients = [PSClient(address, self.worker_id, self.config.num_workers)
                          for address in self.config.ps]
@@ -108,19 +133,22 @@ class Engine:
         if self.worker_id == 0:
             initial = {i: v.read_value().numpy() for i, v in enumerate(variables)}
         for client in self._clients:
-            client.register(specs, optimizer_config, initial, timeout=self.rpc_timeout_s)
-        self._scheduler = schedulers.make_scheduler(self.scheduler_name)
-        self._assembly: dict[tuple[int, int], list] = {}
-        self._assembly_lock = threading.Lock()
-        self._grads: dict[tuple[int, int], list] = {}  # (ps key, step) -> [Grad, parts left]
+            client.register(specs, optimizer_config, initial, timeout=self.rpc_timeout_s,
+                            max_partition_bytes=self._partition_bytes)
+        self._lock = threading.Lock()  # The scheduler, the gradients, the in-flight counts.
+        self._idle = threading.Condition(self._lock)
+        self._grads: dict[tuple[int, int], list] = {}  # (ps key, step) -> [Grad, unsent parts]
+        self._rpcs = [0] * len(self._clients)
+        self._rpc_free = [threading.Condition(self._lock) for _ in self._clients]
         self._send_queues = [queue.Queue() for _ in self._clients]
         self._pull_queues = [queue.Queue() for _ in self._clients]
-        self._pending_sends = 0
-        self._sends_done = threading.Condition()
+        self._assembly: dict[tuple[int, int], list] = {}
+        self._assembly_lock = threading.Lock()
+        self._last_step = -1
+        self._plan_version = None
         # Version 0 comes from the PS, so every worker starts from worker 0's values.
         for ps_index in range(len(self._clients)):
             self._pull_version(ps_index, 0)
-        self._last_pulled_step = -1
         self._spawn("prophet-tf-pump", self._pump)
         for i in range(len(self._clients)):
             self._spawn(f"prophet-tf-send-{i}", self._sender, i)
@@ -141,9 +169,8 @@ class Engine:
         try:
             target(*args)
         except BaseException as e:  # noqa: BLE001 - any failure must reach the training thread.
-            if self._stop.is_set():
-                return
-            self._fail(e)
+            if not self._stop.is_set():
+                self._fail(e)
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
@@ -156,6 +183,7 @@ class Engine:
     # -- gradients out -------------------------------------------------------------------
 
     def _pump(self):
+        """Ready gradients -> scheduler -> per-link send queues."""
         while not self._stop.is_set():
             grad = _native.next_grad(0.1)
             if grad is None:
@@ -164,67 +192,98 @@ class Engine:
             if key is None:
                 _native.release_grad(grad.handle)
                 raise RuntimeError(f"a gradient arrived for unregistered variable key {grad.key}")
-            if grad.step > self._last_pulled_step:
+            if grad.step > self._last_step:
                 # First gradient of a new step: the PS will have step+1 soon.
-                self._last_pulled_step = grad.step
+                self._last_step = grad.step
                 for q in self._pull_queues:
                     q.put(grad.step + 1)
-            with self._assembly_lock:
-                self._grads[key, grad.step] = [grad, 0]
-            self._scheduler.add(schedulers.ReadyItem(
-                key=key, step=grad.step, priority=self._specs[key].priority,
-                nbytes=grad.nbytes, ready_ns=grad.ready_ns))
-            while block := self._scheduler.next_block():
-                self._send_block(block)
+                self._record_plan()
+            partitions = self._partitions_of[key]
+            priority = self._specs[key].priority
+            with self._lock:
+                self._grads[key, grad.step] = [grad, len(partitions)]
+                for p in partitions:
+                    self._scheduler.add(schedulers.ReadyItem(
+                        key=key, partition=p.partition, ps_index=p.ps_index, step=grad.step,
+                        priority=priority, nbytes=p.nbytes, ready_ns=grad.ready_ns))
+                self._drain_locked()
 
-    def _send_block(self, block: list[schedulers.ReadyItem]) -> None:
-        by_ps: dict[int, list[Chunk]] = {}
-        for item in block:
-            with self._assembly_lock:
-                entry = self._grads[item.key, item.step]
-            flat = entry[0].view()
-            shape = self._specs[item.key].shape
-            array = flat.reshape(shape) if shape else flat
-            for p in self._partitions_of[item.key]:
-                rows = array[p.row_begin:p.row_end] if shape else flat
-                by_ps.setdefault(p.ps_index, []).append(Chunk(item.key, p.partition, item.step, rows))
-            with self._assembly_lock:
-                entry[1] += len(self._partitions_of[item.key])
-        with self._sends_done:
-            self._pending_sends += len(by_ps)
-        for ps_index, chunks in by_ps.items():
-            self._send_queues[ps_index].put(chunks)
+    def _drain_locked(self) -> None:
+        while block := self._scheduler.next_block(time.monotonic_ns()):
+            self._send_queues[block[0].ps_index].put(block)
 
     def _sender(self, ps_index: int):
+        """Pushes one link's blocks in order, at most MAX_RPCS_PER_LINK at a time."""
         client = self._clients[ps_index]
         while not self._stop.is_set():
             try:
-                chunks = self._send_queues[ps_index].get(timeout=0.1)
+                block = self._send_queues[ps_index].get(timeout=0.1)
             except queue.Empty:
                 continue
-            keys = sorted({(c.key, c.step) for c in chunks})
-            for key, step in keys:
+            with self._lock:
+                while self._rpcs[ps_index] >= self.MAX_RPCS_PER_LINK and not self._stop.is_set():
+                    self._rpc_free[ps_index].wait(0.1)
+                self._rpcs[ps_index] += 1
+                chunks = [Chunk(item.key, item.partition, item.step, self._rows(item))
+                          for item in block]
+            for key, step in {(item.key, item.step) for item in block}:
                 _native.stamp(self._native_keys[key], step, EngineStamp.PUSH_BEGIN)
-            try:
-                client.push(chunks, timeout=self.rpc_timeout_s)
-            except Exception as e:
-                raise RuntimeError(f"push to PS {ps_index} at {client.address} failed: "
-                                   f"{_rpc_message(e)}") from e
-            for key, step in keys:
-                _native.stamp(self._native_keys[key], step, EngineStamp.PUSH_END)
-            self._release(chunks)
-            with self._sends_done:
-                self._pending_sends -= 1
-                self._sends_done.notify_all()
+            start = time.monotonic_ns()
+            future = client.push_future(chunks, timeout=self.rpc_timeout_s)  # Serialized here.
+            self._release(block)
+            future.add_done_callback(
+                lambda f, block=block, start=start: self._pushed(f, ps_index, block, start))
 
-    def _release(self, chunks: list[Chunk]) -> None:
-        with self._assembly_lock:
-            for c in chunks:
-                entry = self._grads[c.key, c.step]
+    def _rows(self, item: schedulers.ReadyItem) -> np.ndarray:
+        flat = self._grads[item.key, item.step][0].view()
+        shape = self._specs[item.key].shape
+        if not shape:
+            return flat
+        p = self._partitions_of[item.key][item.partition]
+        return flat.reshape(shape)[p.row_begin:p.row_end]
+
+    def _release(self, block) -> None:
+        """Returns the gradient buffers whose every partition has been serialized."""
+        with self._lock:
+            for item in block:
+                entry = self._grads[item.key, item.step]
                 entry[1] -= 1
                 if entry[1] == 0:
-                    del self._grads[c.key, c.step]
+                    del self._grads[item.key, item.step]
                     _native.release_grad(entry[0].handle)
+
+    def _pushed(self, future, ps_index: int, block, start: int) -> None:
+        end = time.monotonic_ns()
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001 - reported to the training thread.
+            if not self._stop.is_set():
+                self._fail(RuntimeError(
+                    f"push to PS {ps_index} at {self._clients[ps_index].address} failed: "
+                    f"{_rpc_message(e)}"))
+            return
+        for key, step in {(item.key, item.step) for item in block}:
+            _native.stamp(self._native_keys[key], step, EngineStamp.PUSH_END)
+        if self._recorder is not None:
+            self._recorder.transfer(timeline_lib.Transfer(
+                "push", ps_index, tuple(self._native_keys[i.key] for i in block),
+                sum(i.nbytes for i in block), block[0].step, start, end))
+        with self._lock:
+            self._rpcs[ps_index] -= 1
+            self._rpc_free[ps_index].notify_all()
+            self._scheduler.on_sent(block, start, end)
+            self._drain_locked()
+            self._idle.notify_all()
+
+    def _record_plan(self) -> None:
+        if self._recorder is None:
+            return
+        with self._lock:
+            plan = self._scheduler.plan()
+        version = plan.get("version", 0)
+        if version != self._plan_version:
+            self._plan_version = version
+            self._recorder.plan(time.monotonic_ns(), plan)
 
     # -- parameters in -------------------------------------------------------------------
 
@@ -237,12 +296,21 @@ class Engine:
             self._pull_version(ps_index, version)
 
     def _pull_version(self, ps_index: int, version: int) -> None:
+        """Streams one PS's partitions of `version` in priority order and delivers them."""
         client = self._clients[ps_index]
         owned = sorted((p for p in self._plan if p.ps_index == ps_index),
                        key=lambda p: (self._specs[p.key].priority, p.partition))
+        previous = time.monotonic_ns()
         try:
             for chunk in client.pull(owned, version, timeout=self.rpc_timeout_s):
-                _native.stamp(self._native_keys[chunk.key], version, EngineStamp.PULL_RECEIVED)
+                arrived = time.monotonic_ns()
+                native_key = self._native_keys[chunk.key]
+                _native.stamp(native_key, version, EngineStamp.PULL_RECEIVED)
+                if self._recorder is not None:
+                    self._recorder.transfer(timeline_lib.Transfer(
+                        "pull", ps_index, (native_key,), chunk.array.nbytes, version, previous,
+                        arrived))
+                previous = arrived
                 self._deliver_partition(chunk, version)
         except Exception as e:
             if self._stop.is_set():
@@ -274,26 +342,39 @@ class Engine:
     # -- stop ----------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Waits until every gradient handed to the engine has been pushed."""
+        """Sends every gradient handed to the engine; True once all are pushed."""
         if not self._started:
             return True
         deadline = time.monotonic() + (self.rpc_timeout_s if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and self._error is None:
-            with self._sends_done:
-                if self._pending_sends == 0 and not self._grads and _native.queued_grads() == 0:
+            with self._lock:
+                self._scheduler.flush()
+                self._drain_locked()
+                if (not self._grads and not any(self._rpcs) and _native.queued_grads() == 0
+                        and all(q.empty() for q in self._send_queues)):
                     return True
-                self._sends_done.wait(0.05)
+                self._idle.wait(0.05)
         return False
 
     def shutdown(self, flush_timeout_s: float = 30.0) -> None:
-        """Pushes what is pending, then stops the threads and closes the channels."""
+        """Pushes what is pending, writes the timeline, stops the threads."""
         if self._started and not self._stop.is_set():
             self.flush(flush_timeout_s)
+            self.write_timeline()
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2.0)
         for client in getattr(self, "_clients", []):
             client.close()
+
+    def write_timeline(self) -> str | None:
+        """Writes this worker's timeline (if enabled); returns its path."""
+        if not self._started or self._recorder is None:
+            return None
+        path = self._recorder.write(self.timeline, _native.drain_stamps(),
+                                    _native.stamps_dropped())
+        logger.info("worker %d: timeline written to %s", self.worker_id, path)
+        return path
 
 
 def _itemsize(dtype_name: str) -> int:

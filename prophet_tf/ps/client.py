@@ -169,7 +169,8 @@ class PSClient:
         """
         variables = list(variables)
         request = dict(worker_id=self.worker_id, num_workers=self.num_workers,
-                       variables=variables, optimizer_config=optimizer_config)
+                       variables=variables, optimizer_config=optimizer_config,
+                       max_partition_bytes=max_partition_bytes)
         response = self._register(ps_pb2.RegisterRequest(**request), timeout=timeout)
         expected = sharding.owned_by(
             sharding.plan(variables, response.num_ps, max_partition_bytes), response.ps_index)
@@ -215,6 +216,18 @@ class PSClient:
             raise ValueError(f"A push block may carry at most {self.max_message_bytes} bytes; "
                              f"split it. Received: {len(chunks)} chunks, {total} bytes")
         return self._push(parts, timeout=timeout).duplicates
+
+    def push_future(self, chunks: Sequence[Chunk], timeout: float | None = None) -> grpc.Future:
+        """Like :meth:`push`, without waiting: the request is serialized now.
+
+        The chunks' arrays may be reused as soon as this returns; the future's
+        result is the PushResponse.
+        """
+        parts, total = _encode_push(self.worker_id, chunks)
+        if total > self.max_message_bytes:
+            raise ValueError(f"A push block may carry at most {self.max_message_bytes} bytes; "
+                             f"split it. Received: {len(chunks)} chunks, {total} bytes")
+        return self._push.future(parts, timeout=timeout)
 
     def pull(self, items: Iterable, min_version: int,
              timeout: float | None = None) -> Iterator[PulledChunk]:

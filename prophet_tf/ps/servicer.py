@@ -134,6 +134,7 @@ class _Model:
     optimizer_config: dict  # as compared between workers (name removed)
     optimizer: object
     partitions: list  # full plan
+    max_partition_bytes: int = 0
     parts: dict = None  # this PS's _Part by (key, partition)
 
 
@@ -271,7 +272,11 @@ class ParameterServerServicer:
             if any(d < 0 for d in s.shape):
                 raise _invalid(f"Variable {s.key} ({s.name!r}) has a negative dimension. "
                                f"Received: shape={list(s.shape)}")
-        partitions = sharding.plan(specs, self.num_ps, self.max_partition_bytes)
+        if request.max_partition_bytes < 0:
+            raise _invalid("max_partition_bytes must be >= 0 (0: the PS's setting). "
+                           f"Received: max_partition_bytes={request.max_partition_bytes}")
+        limit = request.max_partition_bytes or self.max_partition_bytes
+        partitions = sharding.plan(specs, self.num_ps, limit)
         if self.max_chunk_bytes is not None:
             for p in partitions:
                 if p.nbytes > self.max_chunk_bytes:
@@ -281,8 +286,8 @@ class ParameterServerServicer:
                         f"than one message may carry ({self.max_chunk_bytes}); partitions "
                         f"are row ranges. Received: shape={list(s.shape)}, dtype={s.dtype}")
         config = self._parse_optimizer_config(request.optimizer_config)
-        optimizer, no_decay = self._build_optimizer(config, specs, partitions)
-        model = _Model(specs, _comparable(config), optimizer, partitions)
+        optimizer, no_decay = self._build_optimizer(config, specs, partitions, limit)
+        model = _Model(specs, _comparable(config), optimizer, partitions, limit)
         model.parts = self._make_parts(model, no_decay)
         return model
 
@@ -297,7 +302,7 @@ class ParameterServerServicer:
                            f"Received: optimizer_config={text[:200]!r}") from None
         return config
 
-    def _build_optimizer(self, config, specs, partitions):
+    def _build_optimizer(self, config, specs, partitions, max_partition_bytes):
         config = json.loads(json.dumps(config))  # Keras mutates what it is given
         no_decay = set(config.pop(NO_WEIGHT_DECAY_KEY, None) or ())
         try:
@@ -332,7 +337,7 @@ class ParameterServerServicer:
             raise _invalid(
                 f"{what} needs whole variables but variable {split[0].key} "
                 f"({split[0].name!r}) is split into row ranges (it is larger than "
-                f"max_partition_bytes={self.max_partition_bytes}). Use clipvalue, an "
+                f"max_partition_bytes={max_partition_bytes}). Use clipvalue, an "
                 f"elementwise optimizer, or a larger max_partition_bytes. Received: {what}")
         return optimizer, no_decay
 
@@ -358,6 +363,11 @@ class ParameterServerServicer:
         return parts
 
     def _check_same_model(self, model, request):
+        limit = request.max_partition_bytes or self.max_partition_bytes
+        if limit != model.max_partition_bytes:
+            raise _invalid(f"The model was declared with max_partition_bytes="
+                           f"{model.max_partition_bytes} (the workers' scheduler must be the "
+                           f"same). Received: max_partition_bytes={limit}")
         specs = model.specs
         if len(request.variables) != len(specs):
             raise _invalid(f"The model was declared with {len(specs)} variables. "

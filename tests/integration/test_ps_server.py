@@ -169,13 +169,6 @@ def test_bad_inputs_get_their_status_and_change_nothing(model):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "worker_id=2" in error.details()
 
-    bad_specs = [ps_pb2.VariableSpec(key=0, name="dense/kernel", shape=[6, 5], dtype="float32"),
-                 SPECS[1]]
-    error = rpc_error(lambda: model[1]._register(ps_pb2.RegisterRequest(
-        worker_id=1, num_workers=2, variables=bad_specs, optimizer_config=SGD1), timeout=30))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "'dense/kernel'" in error.details() and "shape=[6, 5]" in error.details()
-
     error = rpc_error(lambda: model[0].pull([(0, 9)], 0, timeout=30))
     assert error.code() == grpc.StatusCode.NOT_FOUND and "partition=9" in error.details()
 
@@ -189,6 +182,28 @@ def test_bad_inputs_get_their_status_and_change_nothing(model):
     for k in values:
         np.testing.assert_array_equal(
             values[k], snapshot[k] - (grads(version, 0)[k] + grads(version, 1)[k]))
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_with_another_model_is_rejected_and_the_others_fail_fast(start_ps):
+    ps = start_ps("--num-workers", "2", "--max-partition-bytes", str(LIMIT))
+    clients = [ps_client.PSClient(ps.address, w, 2) for w in range(2)]
+    clients[0].wait_ready(60)
+    initial = {k: np.zeros(s, np.float32) for k, (_, s) in SHAPES.items()}
+    clients[0].register(SPECS, SGD1, initial, max_partition_bytes=LIMIT, timeout=60)
+    bad_specs = [ps_pb2.VariableSpec(key=0, name="dense/kernel", shape=[6, 5], dtype="float32"),
+                 SPECS[1]]
+    error = rpc_error(lambda: clients[1]._register(ps_pb2.RegisterRequest(
+        worker_id=1, num_workers=2, variables=bad_specs, optimizer_config=SGD1,
+        max_partition_bytes=LIMIT), timeout=30))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'dense/kernel'" in error.details() and "shape=[6, 5]" in error.details()
+    # Worker 0 waits for a step that can never come: it hears why at once.
+    error = rpc_error(lambda: list(clients[0].pull(PARTITIONS, 1, timeout=30)))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "worker 1 declared another model" in error.details()
+    for c in clients:
+        c.close()
 
 
 @pytest.mark.timeout(120)

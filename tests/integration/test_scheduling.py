@@ -1,0 +1,81 @@
+"""Scheduling changes when bytes move, never what is computed; and the timeline shows it."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from prophet_tf.engine.schedulers import SCHEDULERS
+from prophet_tf.launch import launch
+
+WORKER = os.path.join(os.path.dirname(__file__), "schedule_worker.py")
+STEPS = 12  # Prophet plans after 2 warm-up and 5 profiled iterations.
+
+
+def _run(tmp_path, scheduler, monkeypatch):
+    prefix = str(tmp_path / scheduler)
+    monkeypatch.setenv("PROPHET_TF_TIMELINE", str(tmp_path / f"timeline-{scheduler}"))
+    assert launch([sys.executable, WORKER, prefix, str(STEPS)], num_workers=2, num_ps=1,
+                  scheduler=scheduler) == 0
+    runs = [np.load(f"{prefix}.{i}.npz") for i in range(2)]
+    assert all(str(r["scheduler"]) == scheduler for r in runs)
+    weights = [[r[f"arr_{k}"] for k in range(len(r.files) - 1)] for r in runs]
+    return weights, tmp_path / f"timeline-{scheduler}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        return {s: _run(tmp_path_factory.mktemp(s), s, monkeypatch) for s in SCHEDULERS}
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.timeout(600)
+def test_every_scheduler_trains_to_the_same_weights(runs):
+    reference, _ = runs["fifo"]
+    for scheduler, (weights, _) in runs.items():
+        for worker in weights:
+            assert len(worker) == len(reference[0])
+            for got, want in zip(worker, reference[0]):
+                # Two workers' sums commute exactly, so the weights are equal to the bit.
+                np.testing.assert_array_equal(got, want, err_msg=scheduler)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+def test_timeline_is_valid_and_complete(runs, scheduler):
+    weights, directory = runs[scheduler]
+    num_vars = len(weights[0])
+    for worker in range(2):
+        with open(directory / f"worker-{worker}.json") as f:
+            trace = json.load(f)  # Valid JSON, as Perfetto / chrome://tracing read it.
+        events = trace["traceEvents"]
+        for e in events:
+            assert e["ph"] in ("M", "X", "i") and "pid" in e and "name" in e
+            if e["ph"] != "M":
+                assert isinstance(e["ts"], float) and e["ts"] > 0
+            if e["ph"] == "X":
+                assert e["dur"] >= 0
+        by_cat = {}
+        for e in events:
+            by_cat.setdefault(e.get("cat"), []).append(e)
+        ready = {(e["args"]["key"], e["args"]["step"]) for e in by_cat["backward"]}
+        assert len(ready) == num_vars * STEPS
+        forward = {(e["args"]["key"], e["args"]["step"]) for e in by_cat["forward"]}
+        assert {(k, s) for k, _ in ready for s in range(STEPS)} <= forward
+        pushed = {}
+        for e in by_cat["push"]:
+            for name in e["args"]["keys"]:
+                pushed.setdefault(e["args"]["step"], set()).add(name)
+            assert e["args"]["bytes"] > 0
+        assert sorted(pushed) == list(range(STEPS))
+        assert all(len(names) == num_vars for names in pushed.values())
+        pulled_versions = {e["args"]["version"] for e in by_cat["pull"]}
+        assert set(range(STEPS + 1)) <= pulled_versions
+        assert by_cat["plan"] and by_cat["plan"][0]["args"]["scheduler"] == scheduler
+        if scheduler == "prophet":
+            plans = [e["args"] for e in by_cat["plan"]]
+            assert any(p.get("steps") for p in plans), plans  # It profiled and planned.

@@ -131,7 +131,11 @@ class Engine:
             client.wait_ready(self.rpc_timeout_s)
         initial = None
         if self.worker_id == 0:
-            initial = {i: v.read_value().numpy() for i, v in enumerate(variables)}
+            # Version 0, staged at creation (in eager mode the step counter
+            # has already moved on to the step being traced).
+            initial = {i: _native.await_param(0, key=v.ps_key, dtype=v.dtype,
+                                              shape=v.shape).numpy()
+                       for i, v in enumerate(variables)}
         for client in self._clients:
             client.register(specs, optimizer_config, initial, timeout=self.rpc_timeout_s,
                             max_partition_bytes=self._partition_bytes)

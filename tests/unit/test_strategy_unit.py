@@ -1,0 +1,171 @@
+"""prophet_tf.strategy without a cluster: split_batches and the constructor's errors."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from prophet_tf import strategy as strategy_lib
+from prophet_tf.strategy import Strategy, split_batches
+
+SPEC = {"worker": ["127.0.0.1:1001", "127.0.0.1:1002"], "ps": ["127.0.0.1:2001"]}
+
+
+def worker_config(index=0, spec=SPEC, task_type="worker"):
+    return {"cluster": spec, "task": {"type": task_type, "index": index}}
+
+
+def steps_of(dataset):
+    """Every element of `dataset` as a list of numpy structures."""
+    return [tf.nest.map_structure(lambda t: t.numpy(), e) for e in dataset]
+
+
+# -- split_batches ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,batch,workers", [
+    (12, 4, 2),   # even
+    (13, 4, 2),   # last batch of 1 row: worker 0 gets an empty share
+    (10, 5, 2),   # odd batches: 2 + 3 rows
+    (17, 6, 3),   # three workers, last batch of 5
+    (7, 7, 4),    # one batch, more uneven than not
+    (3, 8, 4),    # fewer rows than workers
+])
+def test_shares_cover_each_batch_exactly_once(rows, batch, workers):
+    base = tf.data.Dataset.range(rows).batch(batch)
+    expected = steps_of(base)
+    per_worker = [steps_of(split_batches(base, workers, i)) for i in range(workers)]
+    # The same number of steps on every worker: the number of global batches.
+    assert [len(s) for s in per_worker] == [len(expected)] * workers
+    for step, full in enumerate(expected):
+        parts = [per_worker[i][step] for i in range(workers)]
+        np.testing.assert_array_equal(np.concatenate(parts), full)  # In order, once each.
+        n = len(full)
+        assert [len(p) for p in parts] == [
+            n * (i + 1) // workers - n * i // workers for i in range(workers)]
+
+
+def test_uneven_batch_share_sizes():
+    base = tf.data.Dataset.from_tensor_slices(np.arange(5)).batch(5)
+    sizes = [[len(b) for b in steps_of(split_batches(base, 2, i))] for i in range(2)]
+    assert sizes == [[2], [3]]  # rows [0, 2) and [2, 5)
+    single = tf.data.Dataset.from_tensor_slices(np.arange(1)).batch(1)
+    assert [steps_of(split_batches(single, 2, i))[0].tolist() for i in range(2)] == [[], [0]]
+
+
+def test_tuple_elements_are_split_together():
+    x = np.arange(24, dtype=np.float32).reshape(12, 2)
+    y = np.arange(12) * 10
+    w = np.linspace(0, 1, 12)
+    base = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(6)
+    for index in range(3):
+        for step, (xs, ys, ws) in enumerate(steps_of(split_batches(base, 3, index))):
+            rows = slice(6 * step + 2 * index, 6 * step + 2 * (index + 1))
+            np.testing.assert_array_equal(xs, x[rows])
+            np.testing.assert_array_equal(ys, y[rows])
+            np.testing.assert_array_equal(ws, w[rows])
+
+
+def test_dict_and_nested_elements_keep_their_structure():
+    features = {"a": np.arange(8), "b": np.arange(8) * 2}
+    labels = np.arange(8) + 100
+    base = tf.data.Dataset.from_tensor_slices((features, labels)).batch(4)
+    (f0, l0), (f1, l1) = steps_of(split_batches(base, 2, 1))
+    assert set(f0) == {"a", "b"}
+    np.testing.assert_array_equal(f0["a"], [2, 3])
+    np.testing.assert_array_equal(f1["b"], [12, 14])
+    np.testing.assert_array_equal(l1, [106, 107])
+    only_dict = tf.data.Dataset.from_tensor_slices(features).batch(4)
+    first = steps_of(split_batches(only_dict, 2, 0))[0]
+    assert isinstance(first, dict)
+    np.testing.assert_array_equal(first["a"], [0, 1])
+
+
+def test_one_worker_gets_the_whole_batch():
+    base = tf.data.Dataset.range(10).batch(3)
+    assert [s.tolist() for s in steps_of(split_batches(base, 1, 0))] == \
+        [s.tolist() for s in steps_of(base)]
+
+
+# -- Strategy constructor --------------------------------------------------------------------
+
+def test_valid_cluster_has_one_replica_per_worker():
+    strategy = Strategy(cluster=worker_config(1))
+    try:
+        assert strategy.num_replicas_in_sync == 2
+        assert strategy.worker_index == 1
+        assert strategy.cluster.ps == ("127.0.0.1:2001",)
+    finally:
+        strategy.shutdown()
+
+
+def test_chief_counts_as_worker_zero():
+    spec = {"chief": ["127.0.0.1:1000"], "worker": ["127.0.0.1:1001"], "ps": ["127.0.0.1:2001"]}
+    chief = Strategy(cluster=worker_config(0, spec, "chief"))
+    worker = Strategy(cluster=worker_config(0, spec, "worker"))
+    try:
+        assert (chief.worker_index, worker.worker_index) == (0, 1)
+        assert chief.num_replicas_in_sync == worker.num_replicas_in_sync == 2
+    finally:
+        chief.shutdown()
+        worker.shutdown()
+
+
+def test_ps_task_is_rejected():
+    with pytest.raises(ValueError, match=r"(?s)prophet-tf ps.*'ps'"):
+        Strategy(cluster=worker_config(0, task_type="ps"))
+
+
+@pytest.mark.parametrize("cluster,named", [
+    ({"cluster": {"worker": "127.0.0.1:1001", "ps": ["127.0.0.1:2001"]},
+      "task": {"type": "worker", "index": 0}}, "'127.0.0.1:1001'"),
+    ({"cluster": {"worker": ["127.0.0.1:1001"]}, "task": {"type": "worker", "index": 0}},
+     '"ps"'),
+    ({"cluster": {"worker": ["no-port"], "ps": ["127.0.0.1:2001"]},
+      "task": {"type": "worker", "index": 0}}, "'no-port'"),
+    ({"cluster": SPEC, "task": {"type": "worker", "index": 5}}, "index=5"),
+    ({"cluster": SPEC}, "task=None"),
+    ({"workers": ["127.0.0.1:1001"]}, "'workers'"),
+    ("{not json", "'{not json'"),
+    (42, "cluster=42"),
+])
+def test_malformed_cluster_raises_value_error_naming_it(cluster, named):
+    with pytest.raises(ValueError) as error:
+        Strategy(cluster=cluster)
+    assert named in str(error.value)
+    assert "Received" in str(error.value)
+
+
+def test_missing_tf_config_is_named(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="TF_CONFIG"):
+        Strategy()
+
+
+def test_unknown_scheduler_lists_the_valid_ones():
+    from prophet_tf.engine import schedulers
+    with pytest.raises(ValueError) as error:
+        Strategy(cluster=worker_config(0), scheduler="lifo")
+    message = str(error.value)
+    assert "'lifo'" in message
+    for name in schedulers.SCHEDULERS:
+        assert name in message
+
+
+def test_scheduler_defaults_to_the_environment(monkeypatch):
+    """README: `scheduler=None` (the default) reads PROPHET_TF_SCHEDULER."""
+    monkeypatch.setenv("PROPHET_TF_SCHEDULER", "no-such-scheduler")
+    with pytest.raises(ValueError, match="no-such-scheduler"):
+        Strategy(cluster=worker_config(0))
+    monkeypatch.setenv("PROPHET_TF_SCHEDULER", "fifo")
+    strategy = Strategy(cluster=worker_config(0))
+    strategy.shutdown()
+
+
+def test_non_positive_rpc_timeout_is_rejected():
+    with pytest.raises(ValueError, match="rpc_timeout_s"):
+        Strategy(cluster=worker_config(0), rpc_timeout_s=0)
+
+
+def test_unsupported_optimizer_options_are_named():
+    import keras
+    for option, value in [("clipnorm", 1.0), ("clipvalue", 0.5), ("global_clipnorm", 1.0)]:
+        with pytest.raises(ValueError, match=option):
+            strategy_lib.optimizer_config(keras.optimizers.SGD(0.1, **{option: value}), [])

@@ -162,8 +162,8 @@ def parse_fields(data, repeated=()) -> dict[int, object]:
     """Decodes the top level of a protobuf message without copying bulk fields.
 
     Varint fields decode to ``int`` (int32/int64 two's complement is folded to
-    a signed value); length-delimited fields to ``memoryview`` slices of
-    ``data``; fixed32/64 fields are skipped (the ps.v1 messages have none). For
+    a signed value); length-delimited and fixed32/64 fields to ``memoryview``
+    slices of ``data`` (decode a double with ``struct.unpack("<d", view)``). For
     a scalar field the last occurrence wins, as in protobuf; a field number in
     ``repeated`` collects a list.
 
@@ -190,8 +190,10 @@ def parse_fields(data, repeated=()) -> dict[int, object]:
                     f"{end - pos} left")
             value, pos = buf[pos:pos + length], pos + length
         elif wire_type in (_I64, _I32):
-            pos += 8 if wire_type == _I64 else 4
-            continue
+            width = 8 if wire_type == _I64 else 4
+            if pos + width > end:
+                raise ValueError(f"Truncated protobuf field {number}")
+            value, pos = buf[pos:pos + width], pos + width
         else:
             raise ValueError(f"Unsupported protobuf wire type {wire_type} in field {number}")
         if number in repeated:

@@ -23,10 +23,8 @@ import logging
 import warnings
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import input_lib  # noqa: F401  (imported for its side effects on dataset types)
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.ops import control_flow_util
 
@@ -118,12 +116,11 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         self.engine = engine
         # Training steps started by this worker; reads in step k want version k.
         with tf.init_scope():
-            self._step = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     name="prophet_tf_step", synchronization=tf.VariableSynchronization.NONE)
+            self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="prophet_tf_step")
         self._ps_variables: list[PSVariable] = []
         self._raw_grads: list[tf.Tensor] = []
         self._step_value: tf.Tensor | None = None
-        self._trained: list[PSVariable] = []  # In trainable_variables order: priorities.
+        self._trained_this_trace: list[PSVariable] = []  # trainable_variables order.
         self._registered: list[PSVariable] | None = None
         self._eager_warned = False
 
@@ -174,7 +171,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         # below depends on its own gradient only, so pushes overlap backprop.
         values = [value for value, _ in value_destination_pairs]
         self._raw_grads = list(values)
-        self._trained_this_trace: list[PSVariable] = []
+        self._trained_this_trace = []
         # Version this step's forward read; the next step reads version + 1.
         self._step_value = self._step.read_value()
         self._step.assign_add(1)
@@ -217,7 +214,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         optimizer = _optimizer_of(update_fn)
         with tf.init_scope():
             config = optimizer_config(optimizer, trained)
-            self.engine.start(trained, config)
+            self.engine.start(trained, config, _learning_rate_reader(optimizer))
             for variable in untrained:
                 # Frozen: its reads return the staged local value at any step.
                 _native.freeze_param(variable.ps_key)
@@ -229,6 +226,15 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
 def _is_plain_resource_variable(variable) -> bool:
     from tensorflow.python.ops import resource_variable_ops
     return type(variable) is resource_variable_ops.ResourceVariable
+
+
+def _learning_rate_reader(optimizer):
+    """Reads the optimizer's plain learning rate; None for a schedule (the PS runs it)."""
+    import keras
+    variable = optimizer._learning_rate
+    if isinstance(variable, keras.Variable):
+        return lambda: float(variable.numpy())
+    return None
 
 
 def _optimizer_of(update_fn):

@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -99,12 +99,17 @@ class Engine:
 
     # -- start ---------------------------------------------------------------------------
 
-    def start(self, variables: Sequence, optimizer_config: str) -> None:
+    def start(self, variables: Sequence, optimizer_config: str,
+              learning_rate: Callable[[], float] | None = None) -> None:
         """Registers the trained variables with every PS, stages version 0, starts threads.
 
         Args:
           variables: the trained PSVariables in trainable_variables order.
           optimizer_config: JSON the PS rebuilds the Keras optimizer from.
+          learning_rate: reads the worker optimizer's current learning rate
+            (None when it is a schedule, which the PS computes itself); read
+            when each step's first gradient arrives and sent with its pushes,
+            so callbacks that change it reach the PS.
         """
         if self._started:
             raise RuntimeError("the engine was already started")
@@ -150,6 +155,8 @@ class Engine:
         self._assembly_lock = threading.Lock()
         self._last_step = -1
         self._plan_version = None
+        self._learning_rate = learning_rate
+        self._step_learning_rates: dict[int, float] = {}
         # Version 0 comes from the PS, so every worker starts from worker 0's values.
         for ps_index in range(len(self._clients)):
             self._pull_version(ps_index, 0)
@@ -199,6 +206,10 @@ class Engine:
             if grad.step > self._last_step:
                 # First gradient of a new step: the PS will have step+1 soon.
                 self._last_step = grad.step
+                if self._learning_rate is not None:
+                    with self._lock:
+                        self._step_learning_rates[grad.step] = float(self._learning_rate())
+                        self._step_learning_rates.pop(grad.step - 8, None)
                 for q in self._pull_queues:
                     q.put(grad.step + 1)
                 self._record_plan()
@@ -230,10 +241,14 @@ class Engine:
                 self._rpcs[ps_index] += 1
                 chunks = [Chunk(item.key, item.partition, item.step, self._rows(item))
                           for item in block]
+                steps = {item.step for item in block}
+                learning_rate = self._step_learning_rates.get(block[0].step) \
+                    if len(steps) == 1 else None
             for key, step in {(item.key, item.step) for item in block}:
                 _native.stamp(self._native_keys[key], step, EngineStamp.PUSH_BEGIN)
             start = time.monotonic_ns()
-            future = client.push_future(chunks, timeout=self.rpc_timeout_s)  # Serialized here.
+            future = client.push_future(chunks, timeout=self.rpc_timeout_s,  # Serialized here.
+                                        learning_rate=learning_rate)
             self._release(block)
             future.add_done_callback(
                 lambda f, block=block, start=start: self._pushed(f, ps_index, block, start))

@@ -60,9 +60,11 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-def _encode_push(worker_id: int, chunks: Sequence[Chunk]) -> tuple[list, int]:
+def _encode_push(worker_id: int, chunks: Sequence[Chunk],
+                 learning_rate: float | None = None) -> tuple[list, int]:
     """PushRequest wire bytes as a list of parts (headers and array views)."""
-    parts = [ps_pb2.PushRequest(worker_id=worker_id).SerializeToString()]
+    parts = [ps_pb2.PushRequest(worker_id=worker_id,
+                                learning_rate=learning_rate).SerializeToString()]
     total = len(parts[0])
     for c in chunks:
         data = codec.as_bytes_view(c.array)
@@ -217,13 +219,14 @@ class PSClient:
                              f"split it. Received: {len(chunks)} chunks, {total} bytes")
         return self._push(parts, timeout=timeout).duplicates
 
-    def push_future(self, chunks: Sequence[Chunk], timeout: float | None = None) -> grpc.Future:
+    def push_future(self, chunks: Sequence[Chunk], timeout: float | None = None,
+                    learning_rate: float | None = None) -> grpc.Future:
         """Like :meth:`push`, without waiting: the request is serialized now.
 
         The chunks' arrays may be reused as soon as this returns; the future's
-        result is the PushResponse.
+        result is the PushResponse. `learning_rate`: see PushRequest.
         """
-        parts, total = _encode_push(self.worker_id, chunks)
+        parts, total = _encode_push(self.worker_id, chunks, learning_rate)
         if total > self.max_message_bytes:
             raise ValueError(f"A push block may carry at most {self.max_message_bytes} bytes; "
                              f"split it. Received: {len(chunks)} chunks, {total} bytes")

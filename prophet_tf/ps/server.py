@@ -26,6 +26,7 @@ import argparse
 import logging
 import os
 import signal
+import struct
 import sys
 import threading
 from concurrent import futures
@@ -64,6 +65,7 @@ class _PushRequest(NamedTuple):
     worker_id: int
     chunks: list
     malformed: str | None = None  # why the bytes are not a PushRequest
+    learning_rate: float | None = None
 
 
 def parse_push_request(message: bytes) -> _PushRequest:
@@ -80,8 +82,13 @@ def parse_push_request(message: bytes) -> _PushRequest:
             f = codec.parse_fields(raw)
             chunks.append(_GradientChunk(f.get(1, 0), f.get(2, 0), f.get(3, 0),
                                          str(f.get(4, b""), "utf-8"), f.get(5, memoryview(b""))))
-        return _PushRequest(top.get(1, 0), chunks)
-    except (ValueError, TypeError) as e:
+        learning_rate = None
+        if 3 in top:
+            if len(top[3]) != 8:
+                raise ValueError("learning_rate is not a double")
+            learning_rate = struct.unpack("<d", top[3])[0]
+        return _PushRequest(top.get(1, 0), chunks, learning_rate=learning_rate)
+    except (ValueError, TypeError, struct.error) as e:
         return _PushRequest(0, [], f"{e} ({len(message)} bytes)")
 
 

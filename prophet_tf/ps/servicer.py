@@ -173,6 +173,9 @@ class ParameterServerServicer:
         # Set when a worker declared another model: the job can never make
         # progress, so every waiting and later Pull/Push fails with it.
         self._conflict: str | None = None
+        # step -> the learning rate the workers trained that step with (set
+        # by callbacks on the workers; absent: the optimizer's own).
+        self._learning_rates: dict[int, float] = {}
         self._parts: dict[tuple[int, int], _Part] = {}
         self._applies: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -472,7 +475,18 @@ class ParameterServerServicer:
                                         f"Received: step={step}")
                 seen.add((c.key, c.partition))
                 accepted.append((part, step, None if duplicate else array))
+            learning_rate = _learning_rate_of(request)
+            if learning_rate is not None:
+                if not math.isfinite(learning_rate) or learning_rate < 0:
+                    raise _invalid("learning_rate must be a finite number >= 0. "
+                                   f"Received: learning_rate={learning_rate}")
+                if isinstance(self._model.optimizer._learning_rate,
+                              keras.optimizers.schedules.LearningRateSchedule):
+                    raise _invalid("The optimizer's learning rate is a schedule; a worker "
+                                   f"cannot set it. Received: learning_rate={learning_rate}")
             for part, step, array in accepted:  # 2. apply; nothing can fail here
+                if learning_rate is not None:
+                    self._learning_rates[step] = learning_rate
                 if array is None:
                     duplicates += 1
                     continue
@@ -524,6 +538,12 @@ class ParameterServerServicer:
                 part.cond.notify_all()
 
     def _apply(self, part, step, total):
+        with self._lock:
+            learning_rate = self._learning_rates.get(step)
+            for old in [s for s in self._learning_rates if s < step - 2]:
+                del self._learning_rates[old]
+        if learning_rate is not None:
+            self._model.optimizer.learning_rate = learning_rate  # Read inside apply_fn.
         if part.apply_fn is None:
             part.apply_fn = self._trace_apply(part)
         return np.asarray(part.apply_fn(total.reshape(part.shape), np.int64(step)))
@@ -609,6 +629,13 @@ class ParameterServerServicer:
     def value(self, key: int, partition: int = 0) -> np.ndarray:
         with self._apply_lock:
             return self._read(self._parts[key, partition]).copy()
+
+
+def _learning_rate_of(request) -> float | None:
+    """A push's learning rate: None when the worker sent none."""
+    if isinstance(request, ps_pb2.PushRequest):  # Parsed by protobuf (tests, other clients).
+        return request.learning_rate if request.HasField("learning_rate") else None
+    return request.learning_rate
 
 
 def _check_keys(variables):

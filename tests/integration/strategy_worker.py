@@ -156,7 +156,12 @@ def train(model, args, global_batch: int) -> dict:
     x, y = make_data(args.model, args.steps * global_batch)
     fit_args, fit_kwargs = fit_inputs(args.data, x, y, global_batch)
     counter = StepCounter()
-    history = model.fit(*fit_args, epochs=args.epochs, verbose=0, callbacks=[counter],
+    callbacks = [counter]
+    if getattr(args, "lr_callback", False):
+        # Halves the learning rate at every epoch after the first, on the worker.
+        callbacks.append(keras.callbacks.LearningRateScheduler(
+            lambda epoch, lr: lr * 0.5 if epoch else lr))
+    history = model.fit(*fit_args, epochs=args.epochs, verbose=0, callbacks=callbacks,
                         **fit_kwargs)
     return {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
             "steps_per_epoch": counter.per_epoch}
@@ -316,6 +321,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", choices=["numpy", "dataset", "pydataset"], default="numpy")
     parser.add_argument("--steps", type=int, default=6, help="steps per epoch")
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--lr-callback", action="store_true",
+                        help="change the learning rate with LearningRateScheduler")
     parser.add_argument("--batch", type=int, default=4, help="per-worker batch")
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--hidden-by-worker", action="store_true",

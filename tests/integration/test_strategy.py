@@ -53,6 +53,8 @@ CONFIGS = {
     "adam": dict(workers=2, ps=2, optimizer="adam", model="cnn", data="pydataset"),
     "schedule": dict(workers=2, ps=2, optimizer="schedule", model="mlp", data="numpy"),
     "bn": dict(workers=2, ps=1, optimizer="adam", model="bn", data="numpy", epochs=3, steps=4),
+    "lr_callback": dict(workers=2, ps=1, optimizer="momentum", model="mlp", data="numpy",
+                        epochs=3, steps=3, lr_callback=True),
     "misuse": dict(workers=1, ps=1, optimizer="sgd", model="mlp", data="numpy",
                    scenario="misuse", watchdog=40.0),
 }
@@ -72,7 +74,7 @@ def worker_args(config: dict, out_dir: pathlib.Path) -> list[str]:
             "--model", config["model"], "--data", config["data"],
             "--steps", str(config.get("steps", STEPS)), "--epochs", str(config.get("epochs", 1)),
             "--batch", str(BATCH), "--watchdog", str(config.get("watchdog", WATCHDOG)),
-            "--out", str(out_dir)]
+            "--out", str(out_dir)] + (["--lr-callback"] if config.get("lr_callback") else [])
 
 
 def reap(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
@@ -164,13 +166,13 @@ def reference(config: dict, workers: int | None = None) -> dict:
     """Single-process Keras at the global batch, same data order and initial weights."""
     workers = config["workers"] if workers is None else workers
     key = (config["optimizer"], config["model"], config.get("steps", STEPS),
-           config.get("epochs", 1), workers)
+           config.get("epochs", 1), workers, config.get("lr_callback", False))
     if key not in _REFERENCES:
         sw.limit_threads()
         args = argparse.Namespace(optimizer=config["optimizer"], model=config["model"],
                                   data="numpy", steps=config.get("steps", STEPS),
                                   epochs=config.get("epochs", 1), batch=BATCH, workers=workers,
-                                  hidden=8)
+                                  hidden=8, lr_callback=config.get("lr_callback", False))
         _REFERENCES[key] = sw.single_process(args)
     return _REFERENCES[key]
 
@@ -225,6 +227,19 @@ def test_weights_equal_single_process_training(runs, name):
         np.testing.assert_array_equal(a, b)  # Both pulled the same bytes.
     info = run.info(0)
     assert info["steps_per_epoch"] == [STEPS]
+
+
+@pytest.mark.timeout(CLUSTER_TIMEOUT + 60)
+def test_learning_rate_callback_reaches_the_ps(runs):
+    """LearningRateScheduler changes the rate on the workers; the PS must train with it."""
+    run = runs("lr_callback")
+    run.check_ok()
+    expected = reference(run.config)["trainable"]
+    without = reference({**run.config, "lr_callback": False})["trainable"]
+    assert any(not np.allclose(e, w, rtol=1e-4) for e, w in zip(expected, without))
+    for index in range(run.config["workers"]):
+        for j, (a, e) in enumerate(zip(run.trainable(index), expected)):
+            assert_close(a, e, f"lr_callback: worker {index}, trainable variable {j}")
 
 
 # -- 2. BatchNorm --------------------------------------------------------------------------

@@ -17,13 +17,18 @@ from prophet_tf.engine import EngineStamp
 from prophet_tf.launch import launch
 
 STEPS = 8
-WORKER = os.path.join(os.path.dirname(__file__), "overlap_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "mlp_worker.py")
+# Small first layer, large later layers: layer 0's parameters arrive long
+# before the last ones when they are pulled in priority order; a large batch
+# gives the engine time to act within one backprop.
+MODEL = ["--inputs", "64", "--units", "64,256,512,512,512,512", "--batch", "1024",
+         "--optimizer", "sgd", "--stamps"]
 
 
 @pytest.fixture(scope="module")
 def stamps(tmp_path_factory):
     prefix = str(tmp_path_factory.mktemp("overlap") / "stamps")
-    code = launch([sys.executable, WORKER, prefix, str(STEPS)], num_workers=2, num_ps=1)
+    code = launch([sys.executable, WORKER, prefix, str(STEPS), *MODEL], num_workers=2, num_ps=1)
     assert code == 0
     return [np.load(f"{prefix}.{i}.npz") for i in range(2)]
 

@@ -9,7 +9,7 @@ import pytest
 from prophet_tf.engine.schedulers import SCHEDULERS
 from prophet_tf.launch import launch
 
-WORKER = os.path.join(os.path.dirname(__file__), "schedule_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "mlp_worker.py")
 STEPS = 12  # Prophet plans after 2 warm-up and 5 profiled iterations.
 
 
@@ -20,7 +20,8 @@ def _run(tmp_path, scheduler, monkeypatch):
                   scheduler=scheduler) == 0
     runs = [np.load(f"{prefix}.{i}.npz") for i in range(2)]
     assert all(str(r["scheduler"]) == scheduler for r in runs)
-    weights = [[r[f"arr_{k}"] for k in range(len(r.files) - 1)] for r in runs]
+    weights = [[r[f"arr_{k}"] for k in range(sum(f.startswith("arr_") for f in r.files))]
+               for r in runs]
     return weights, tmp_path / f"timeline-{scheduler}"
 
 

@@ -2,6 +2,7 @@
 
     prophet-tf ps [...]        run a parameter-server task
     prophet-tf launch [...]    run a whole cluster on this machine
+    prophet-tf doctor          check this machine and the cluster of TF_CONFIG
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 _COMMANDS = {
     "ps": ("prophet_tf.ps.server", "run a parameter-server task (from TF_CONFIG or flags)"),
     "launch": ("prophet_tf.launch", "start PS tasks and worker processes on localhost"),
+    "doctor": ("prophet_tf.doctor", "check versions, the op library and the PS tasks of TF_CONFIG"),
 }
 
 

@@ -48,14 +48,14 @@ def test_unknown_command_exit_2_lists_commands():
     result = _run("frobnicate")
     assert result.returncode == 2
     assert "unknown command 'frobnicate'" in result.stderr
-    assert "valid commands: ps, launch" in result.stderr
+    assert "valid commands: ps, launch, doctor" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 @pytest.mark.timeout(30)
 def test_unknown_command_in_process(capsys):
     assert cli.main(["train"]) == 2
-    assert "valid commands: ps, launch" in capsys.readouterr().err
+    assert "valid commands: ps, launch, doctor" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

@@ -206,9 +206,11 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         if self._registered is not None:
             if [v.ps_key for v in trained] != [v.ps_key for v in self._registered]:
                 raise ValueError(
-                    "The set of trained variables changed after training started "
-                    f"(was keys {[v.ps_key for v in self._registered]}, now "
-                    f"{[v.ps_key for v in trained]}); recompile before changing `trainable`.")
+                    "The set of trained variables changed after training through the PS "
+                    "started; freezing or unfreezing layers after the first fit() is not "
+                    "supported under prophet_tf.Strategy. Registered variable keys: "
+                    f"{[v.ps_key for v in self._registered]}. Received: "
+                    f"{[v.ps_key for v in trained]}")
             return
         untrained = [v for v in self._ps_variables if all(v is not t for t in trained)]
         optimizer = _optimizer_of(update_fn)

@@ -38,6 +38,7 @@ prophet_tf/_prophet_ops.so: $(OPS_SOURCES) $(PROTOS) $(STAMP)
 bench: build
 	$(PY) benchmarks/bench_ops.py
 	$(PY) benchmarks/bench_transport.py
+	$(PY) benchmarks/bench_scheduler.py
 
 clean:
 	rm -rf build *.egg-info prophet_tf/_prophet_ops.so prophet_tf/_build_info.json \

@@ -213,11 +213,7 @@ class PSClient:
             ValueError: the block exceeds ``max_message_bytes``.
             grpc.RpcError: the PS rejected the block (nothing of it was used).
         """
-        parts, total = _encode_push(self.worker_id, chunks)
-        if total > self.max_message_bytes:
-            raise ValueError(f"A push block may carry at most {self.max_message_bytes} bytes; "
-                             f"split it. Received: {len(chunks)} chunks, {total} bytes")
-        return self._push(parts, timeout=timeout).duplicates
+        return self.push_future(chunks, timeout).result().duplicates
 
     def push_future(self, chunks: Sequence[Chunk], timeout: float | None = None,
                     learning_rate: float | None = None) -> grpc.Future:

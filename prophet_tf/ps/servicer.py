@@ -187,17 +187,18 @@ class ParameterServerServicer:
     # ------------------------------------------------------------------ RPCs
 
     def Register(self, request, context):
-        try:
-            return self._register(request)
-        except RpcError as e:
-            logger.info("Register from worker %d rejected: %s", request.worker_id, e.message)
-            context.abort(e.code, e.message)
+        return self._answer(self._register, "Register", request, context)
 
     def Push(self, request, context):
+        return self._answer(self._push, "Push", request, context)
+
+    @staticmethod
+    def _answer(handler, rpc: str, request, context):
+        """Runs a unary handler; its RpcError becomes the call's status."""
         try:
-            return self._push(request)
+            return handler(request)
         except RpcError as e:
-            logger.info("Push from worker %d rejected: %s", request.worker_id, e.message)
+            logger.info("%s from worker %d rejected: %s", rpc, request.worker_id, e.message)
             context.abort(e.code, e.message)
 
     def Pull(self, request, context) -> Iterator[bytes]:

@@ -1,7 +1,7 @@
 """`prophet-tf doctor`: is this machine ready to train, and if not, what to do.
 
-Each check prints one line, "OK" or "FAIL", with what was found and, on
-failure, the fix. Exits 1 if any check failed, else 0.
+Each check prints one line, "OK", "WARN" or "FAIL", with what was found and,
+unless OK, what to do. Exits 1 if any check failed, else 0 (warnings too).
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ class Check:
     name: str
     ok: bool
     detail: str
+    warn: bool = False  # ok, but worth acting on
 
     def line(self) -> str:
-        return f"{'OK  ' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+        label = "FAIL" if not self.ok else "WARN" if self.warn else "OK  "
+        return f"{label} {self.name}: {self.detail}"
 
 
 def _version(module: str) -> str:
@@ -66,6 +68,17 @@ def check_ops() -> Check:
         return Check("op library", False, str(e))
 
 
+def _ps_addresses() -> list[str]:
+    """The PS addresses of TF_CONFIG, or [] when it is unset or malformed."""
+    from prophet_tf import cluster as cluster_lib
+    if not os.environ.get("TF_CONFIG"):
+        return []
+    try:
+        return list(cluster_lib.resolve().ps)
+    except ValueError:
+        return []
+
+
 def check_cluster(timeout_s: float) -> list[Check]:
     from prophet_tf import cluster as cluster_lib
     if not os.environ.get("TF_CONFIG"):
@@ -83,40 +96,121 @@ def check_cluster(timeout_s: float) -> list[Check]:
 
 
 def _check_ps(index: int, address: str, timeout_s: float) -> Check:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    """Waits up to `timeout_s` for SERVING, with this host's token and TLS settings."""
+    from prophet_tf.ps import health, security
     name = f"PS {index} at {address}"
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
-        except grpc.RpcError as e:
-            return Check(name, False, f"not reachable within {timeout_s:g} s ({e.code().name}); "
-                         "start it with `prophet-tf ps` (TF_CONFIG task type ps), and check "
-                         "the address, the port and any firewall or security group between")
-    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    return Check(name, serving, status + ("" if serving else
-                                          "; the task is starting or shutting down"))
+    try:
+        health.wait_serving(address, timeout_s)
+    except security.SecurityError as e:
+        return Check(name, False, f"cannot check: {e}")
+    except health.HealthCheckRefused as e:
+        return Check(name, False, str(e).replace(f"PS at {address} ", "", 1))
+    except health.NotServingError as e:
+        last = e.last_answer
+        if e.last_code is None and last != "no answer":  # it answered, with another status
+            return Check(name, False, f"{last} after {timeout_s:g} s; the task is starting "
+                         "or shutting down")
+        lowered = last.lower()
+        if any(word in lowered for word in ("ssl", "handshake", "tls", "certificate",
+                                            "verification")):
+            return Check(name, False, f"TLS handshake failed within {timeout_s:g} s ({last}); "
+                         f"a PS started with --tls-cert needs {security.TLS_CA_ENV} here (and a "
+                         f"plaintext PS needs it unset); if the certificate was issued to another "
+                         f"name than the address, set {security.TLS_SERVER_NAME_ENV}")
+        tls_hint = ""
+        if "socket closed" in lowered and not os.environ.get(security.TLS_CA_ENV):
+            tls_hint = (f"; if the PS serves TLS (--tls-cert), set {security.TLS_CA_ENV} here "
+                        "to its CA certificate")
+        return Check(name, False, f"not reachable within {timeout_s:g} s ({last}); start it "
+                     "with `prophet-tf ps` (TF_CONFIG task type ps), and check the address, "
+                     "the port and any firewall or security group between" + tls_hint)
+    return Check(name, True, "SERVING")
 
 
-def check_security() -> Check:
-    return Check("transport security", True,
-                 "plaintext gRPC without a token (authentication and TLS are not "
-                 "available yet): keep PS ports reachable by the job's hosts only")
+def _exposed(addresses: list[str]) -> list[str]:
+    """The addresses whose host is not a loopback address."""
+    from prophet_tf.ps import security
+    return [a for a in addresses if not security.is_loopback(a.rpartition(":")[0])]
+
+
+def check_token(ps_addresses: list[str]) -> Check:
+    """Whether a token is set, and from where (never the token itself)."""
+    from prophet_tf.ps import security
+    try:
+        token = security.load_token()
+    except security.SecurityError as e:
+        return Check("token", False, str(e))
+    exposed = _exposed(ps_addresses)
+    if token is None:
+        if exposed:
+            return Check("token", True, f"not set, and PS tasks are at non-loopback addresses "
+                         f"({', '.join(exposed)}): whoever reaches them can register and push. "
+                         f"Set {security.TOKEN_ENV} or {security.TOKEN_FILE_ENV} to the same "
+                         "token on every task (a PS bound to a non-loopback address refuses to "
+                         "start without one unless --insecure)", warn=True)
+        return Check("token", True, "not set (fine on loopback: `prophet-tf launch` generates "
+                     f"one for its tasks; a multi-host job sets {security.TOKEN_ENV} or "
+                     f"{security.TOKEN_FILE_ENV} on every task)")
+    path = os.environ.get(security.TOKEN_FILE_ENV)
+    if token.source.startswith(security.TOKEN_FILE_ENV):
+        mode = os.stat(path).st_mode
+        if mode & 0o077:
+            return Check("token", True, f"set from {token.source}, but the file is readable by "
+                         f"others (mode {mode & 0o777:o}); chmod 600 {path}", warn=True)
+    return Check("token", True, f"set from {token.source}")
+
+
+def check_tls(ps_addresses: list[str]) -> Check:
+    """The TLS files of this host: client CA and PS certificate/key, if set, load."""
+    import ssl
+
+    from prophet_tf.ps import security
+    parts, ok = [], True
+    try:
+        client = security.load_client_tls()
+    except security.SecurityError as e:
+        client, ok = None, False
+        parts.append(str(e))
+    if client is not None:
+        count = ssl.create_default_context(cadata=client.ca.decode("ascii")).cert_store_stats()
+        parts.append(f"clients verify the PS with {security.TLS_CA_ENV}={client.ca_path} "
+                     f"({count['x509']} certificate(s))" +
+                     (f", server name {client.server_name}" if client.server_name else ""))
+    try:
+        server = security.load_server_tls()
+    except security.SecurityError as e:
+        server, ok = None, False
+        parts.append(str(e))
+    if server is not None:
+        parts.append(f"a PS here serves {server.cert_path} (key {server.key_path}; they load "
+                     "and match)")
+    if not ok:
+        return Check("TLS", False, "; ".join(parts))
+    if parts:
+        return Check("TLS", True, "; ".join(parts))
+    exposed = _exposed(ps_addresses)
+    if exposed:
+        return Check("TLS", True, f"off: traffic to {', '.join(exposed)}, the token included, "
+                     "is plaintext. Off a trusted network, start each PS with --tls-cert/"
+                     f"--tls-key and set {security.TLS_CA_ENV} on every task", warn=True)
+    return Check("TLS", True, "off (plaintext gRPC; fine on loopback)")
 
 
 def run(timeout_s: float = 3.0, out=None) -> int:
     out = out or sys.stdout
+    addresses = _ps_addresses()
     sections: list[Callable[[], list[Check] | Check]] = [
-        check_versions, check_ops, lambda: check_cluster(timeout_s), check_security]
-    failed = 0
+        check_versions, check_ops, lambda: check_cluster(timeout_s),
+        lambda: check_token(addresses), lambda: check_tls(addresses)]
+    failed = warned = 0
     for section in sections:
         result = section()
         for check in result if isinstance(result, list) else [result]:
             print(check.line(), file=out)
             failed += not check.ok
-    print(f"{failed} problem(s) found" if failed else "all checks passed", file=out)
+            warned += check.ok and check.warn
+    summary = f"{failed} problem(s) found" if failed else "all checks passed"
+    print(summary + (f", {warned} warning(s)" if warned else ""), file=out)
     return 1 if failed else 0
 
 

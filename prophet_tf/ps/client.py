@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prophet_tf import codec
-from prophet_tf.ps import sharding
+from prophet_tf.ps import health, sharding
+from prophet_tf.ps import security as security_lib
 from prophet_tf.ps.server import MAX_MESSAGE_BYTES, SERVICE_NAME
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -94,16 +93,23 @@ class PSClient:
         max_message_bytes: per-message limit (the server's is
             :data:`prophet_tf.ps.server.MAX_MESSAGE_BYTES`).
         options: extra gRPC channel options.
+        security: token and TLS settings; default from the environment
+            (:func:`prophet_tf.ps.security.client_security`).
+
+    Raises:
+        prophet_tf.ps.security.SecurityError: the token/TLS settings are unusable.
     """
 
     def __init__(self, address: str, worker_id: int, num_workers: int, *,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, options: Sequence = ()):
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, options: Sequence = (),
+                 security: security_lib.ClientSecurity | None = None):
         self.address = address
         self.worker_id = worker_id
         self.num_workers = num_workers
         self.max_message_bytes = max_message_bytes
-        self._channel = grpc.insecure_channel(
-            address, options=channel_options(max_message_bytes) + list(options))
+        self._security = security_lib.client_security() if security is None else security
+        self._channel = security_lib.create_channel(
+            address, channel_options(max_message_bytes) + list(options), security=self._security)
         method = f"/{SERVICE_NAME}/"
         self._register = self._channel.unary_unary(
             method + "Register", request_serializer=ps_pb2.RegisterRequest.SerializeToString,
@@ -114,39 +120,27 @@ class PSClient:
         self._pull = self._channel.unary_stream(
             method + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=_decode_parameter_chunk)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._heartbeat = self._channel.unary_unary(
+            method + "Heartbeat", request_serializer=ps_pb2.HeartbeatRequest.SerializeToString,
+            response_deserializer=ps_pb2.HeartbeatResponse.FromString)
 
     def wait_ready(self, timeout: float) -> None:
         """Blocks until the PS reports SERVING through grpc.health.v1.
 
         Raises:
-            TimeoutError: not SERVING within ``timeout`` seconds; names the
-                address and the last answer.
+            TimeoutError: (:class:`prophet_tf.ps.health.NotServingError`) not
+                SERVING within ``timeout`` seconds; names the address and the
+                last answer.
+            prophet_tf.ps.health.HealthCheckRefused: the PS refused the check
+                (e.g. UNAUTHENTICATED: this worker lacks the PS's token).
         """
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"PS at {self.address} was not SERVING within {timeout} s. "
-                                   f"Last answer: {last}")
-            try:
-                response = self._health.Check(
-                    health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                    timeout=min(remaining, 5.0), wait_for_ready=True)
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-            except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE,
-                                    grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                last = f"{e.code().name}: {e.details()}"
-            time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+        health.wait_serving(self.address, timeout, service=SERVICE_NAME,
+                            security=self._security)
 
     def register(self, variables: Sequence, optimizer_config: str,
                  initial_values: Mapping[int, np.ndarray] | None = None, *,
                  max_partition_bytes: int = sharding.DEFAULT_MAX_PARTITION_BYTES,
+                 resume_step: int = 0,
                  timeout: float | None = None) -> ps_pb2.RegisterResponse:
         """Declares the model; worker 0 also sends this PS's initial values.
 
@@ -159,10 +153,13 @@ class PSClient:
             initial_values: key -> full array; only from worker 0.
             max_partition_bytes: the workers' sharding limit; the PS's
                 partitions are checked against the same plan.
+            resume_step: steps this worker's own state has trained (restored
+                from a backup); 0 for a fresh start.
             timeout: seconds per call.
 
         Returns:
-            The PS's last RegisterResponse (its partitions and version).
+            The PS's last RegisterResponse (its partitions and the version
+            the job starts from: 0, ``resume_step`` or a restored checkpoint's).
 
         Raises:
             grpc.RpcError: the PS rejected the declaration.
@@ -172,7 +169,7 @@ class PSClient:
         variables = list(variables)
         request = dict(worker_id=self.worker_id, num_workers=self.num_workers,
                        variables=variables, optimizer_config=optimizer_config,
-                       max_partition_bytes=max_partition_bytes)
+                       max_partition_bytes=max_partition_bytes, resume_step=resume_step)
         response = self._register(ps_pb2.RegisterRequest(**request), timeout=timeout)
         expected = sharding.owned_by(
             sharding.plan(variables, response.num_ps, max_partition_bytes), response.ps_index)
@@ -226,6 +223,8 @@ class PSClient:
         if total > self.max_message_bytes:
             raise ValueError(f"A push block may carry at most {self.max_message_bytes} bytes; "
                              f"split it. Received: {len(chunks)} chunks, {total} bytes")
+        if shaper := self._shaper(0):
+            shaper.consume(total)
         return self._push.future(parts, timeout=timeout)
 
     def pull(self, items: Iterable, min_version: int,
@@ -239,10 +238,33 @@ class PSClient:
         request = ps_pb2.PullRequest(worker_id=self.worker_id, min_version=min_version, items=[
             ps_pb2.KeyPartition(key=k, partition=p) for k, p in map(_key_partition, items)])
         call = self._pull(request, timeout=timeout)
+        shaper = self._shaper(1)
         try:
-            yield from call
+            for chunk in call:
+                if shaper:
+                    shaper.consume(chunk.array.nbytes)
+                yield chunk
         finally:
             call.cancel()
+
+    def _shaper(self, direction: int):
+        """The bench's fallback link shaping (0: push, 1: pull), None unless
+        PROPHET_TF_SHAPE_MBIT is set; see prophet_tf.bench.shaping."""
+        if not hasattr(self, "_shapers"):
+            from prophet_tf.bench import shaping
+            self._shapers = shaping.from_env()
+        return self._shapers[direction] if self._shapers else None
+
+    def heartbeat(self, steps_pushed: int, leaving: bool = False,
+                  timeout: float | None = None) -> str:
+        """Tells the PS this worker is alive (or leaving after ``steps_pushed``).
+
+        Returns:
+            The job's failure message ("" while the job is healthy).
+        """
+        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, steps_pushed=steps_pushed,
+                                          leaving=leaving)
+        return self._heartbeat(request, timeout=timeout).failure
 
     def close(self) -> None:
         self._channel.close()
@@ -285,13 +307,26 @@ def optimizer_config_json(optimizer, variables: Sequence | None = None) -> str:
     given the model's trainable variables (in key order), the keys the
     optimizer exempts from weight decay are added, so the PS decays exactly
     the same variables.
-    """
-    import keras
 
-    config = keras.optimizers.serialize(optimizer)
+    A tf_keras (Keras 2) optimizer is described as the equivalent Keras 3
+    optimizer (``prophet_tf._keras_compat``): the PS only knows Keras 3.
+
+    Raises:
+        ValueError: a tf_keras optimizer, option or schedule without a Keras 3
+            equivalent; the message names it.
+    """
+    from prophet_tf import _keras_compat
+
+    if _keras_compat.is_tf_keras_optimizer(optimizer):
+        config = _keras_compat.keras3_optimizer_config(optimizer)
+        decays = optimizer._use_weight_decay  # Takes the tf.Variable itself.
+    else:
+        import keras
+
+        config = keras.optimizers.serialize(optimizer)
+        decays = lambda v: optimizer._use_weight_decay(getattr(v, "value", v))  # noqa: E731
     if variables is not None and getattr(optimizer, "weight_decay", None) is not None:
-        exempt = [i for i, v in enumerate(variables)
-                  if not optimizer._use_weight_decay(getattr(v, "value", v))]
+        exempt = [i for i, v in enumerate(variables) if not decays(v)]
         if exempt:
             config[NO_WEIGHT_DECAY_KEY] = exempt
     return json.dumps(config)

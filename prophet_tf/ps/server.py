@@ -12,8 +12,14 @@ RESOURCE_EXHAUSTED. The limit also bounds what one request may pin in memory
 Bind address: ``--host`` defaults to 127.0.0.1 when the flags describe the
 task (a local cluster; nothing exposed), and to ``[::]`` (all interfaces) with
 TF_CONFIG, whose workers are usually on other machines and whose host name may
-not be a local interface address. The PS has no authentication: only expose
-it on a trusted network.
+not be a local interface address.
+
+Security (:mod:`prophet_tf.ps.security`): with a token (``PROPHET_TF_TOKEN``,
+``PROPHET_TF_TOKEN_FILE`` or ``--token-file``) every RPC, health checks
+included, must carry it, or is rejected with UNAUTHENTICATED before it
+reaches the servicer. ``--tls-cert``/``--tls-key`` serve TLS. A task bound to
+a non-loopback address without a token refuses to start unless
+``--insecure`` is given.
 
 Thread pool: pulls wait in a server thread until their version exists, so the
 pool is sized ``16 + 8 * num_workers``; a worker keeps a few pulls in flight
@@ -36,7 +42,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from prophet_tf import codec
-from prophet_tf.ps import sharding
+from prophet_tf.ps import security, sharding
 from prophet_tf.ps.v1 import ps_pb2
 
 __all__ = ["MAX_MESSAGE_BYTES", "SERVICE_NAME", "create_server", "main"]
@@ -47,6 +53,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 # What a message carries besides one chunk's bytes (ids, dtype, framing).
 _CHUNK_OVERHEAD = 1024
+
+
+# After the job failed, how long the PS keeps answering (so every worker's
+# heartbeat or pull learns why) before it exits 1.
+_FAILURE_LINGER_S = 3.0
 
 
 def _passthrough(data: bytes) -> bytes:
@@ -68,24 +79,30 @@ class _PushRequest(NamedTuple):
     learning_rate: float | None = None
 
 
-def parse_push_request(message: bytes) -> _PushRequest:
+def parse_push_request(message: bytes, max_chunks: int = 1 << 16) -> _PushRequest:
     """A PushRequest whose chunk data are views of ``message``.
 
     Protobuf's ``chunk.data`` would copy every chunk once more. Malformed
     bytes give a request with ``malformed`` set, which the servicer rejects
     with INVALID_ARGUMENT (a raising deserializer would answer INTERNAL).
+    Malformed also covers a known field with another wire type (it would
+    reach the servicer as a value of the wrong type) and more than
+    ``max_chunks`` chunks or 64 fields in a chunk: each field costs Python
+    objects, and 64 MiB of 2-byte fields would build millions of them.
     """
     try:
-        top = codec.parse_fields(message, repeated=(2,))
+        top = codec.parse_fields(message, repeated=(2,), max_fields=max_chunks + 64,
+                                 types={1: "varint", 2: "len", 3: "i64"})
+        if len(top[2]) > max_chunks:
+            raise ValueError(f"more than {max_chunks} chunks")
         chunks = []
         for raw in top[2]:
-            f = codec.parse_fields(raw)
+            f = codec.parse_fields(raw, max_fields=64, types={
+                1: "varint", 2: "varint", 3: "varint", 4: "len", 5: "len"})
             chunks.append(_GradientChunk(f.get(1, 0), f.get(2, 0), f.get(3, 0),
                                          str(f.get(4, b""), "utf-8"), f.get(5, memoryview(b""))))
         learning_rate = None
         if 3 in top:
-            if len(top[3]) != 8:
-                raise ValueError("learning_rate is not a double")
             learning_rate = struct.unpack("<d", top[3])[0]
         return _PushRequest(top.get(1, 0), chunks, learning_rate=learning_rate)
     except (ValueError, TypeError, struct.error) as e:
@@ -102,7 +119,8 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
 
 
 def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                  max_workers: int | None = None):
+                  max_workers: int | None = None, token: security.Token | None = None,
+                  tls: security.ServerTLS | None = None):
     """Builds (does not start) a gRPC server for ``servicer`` bound to ``address``.
 
     The standard ``grpc.health.v1.Health`` service reports SERVING for ``""``
@@ -114,6 +132,9 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
         servicer: a :class:`prophet_tf.ps.servicer.ParameterServerServicer`.
         max_message_bytes: receive and send limit for one message.
         max_workers: gRPC thread pool size (default ``16 + 8 * num_workers``).
+        token: when given, every call (health checks included) must carry it;
+            others get UNAUTHENTICATED and never reach a servicer.
+        tls: when given, the port serves TLS with this certificate and key.
 
     Returns:
         ``(server, port)``; ``server.health`` is the health servicer.
@@ -125,7 +146,8 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
         max_workers = 16 + 8 * servicer.num_workers
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="prophet-tf-ps"),
-                         options=server_options(max_message_bytes))
+                         options=server_options(max_message_bytes),
+                         interceptors=[security.TokenServerInterceptor(token)] if token else None)
     handlers = {
         "Register": grpc.unary_unary_rpc_method_handler(
             servicer.Register, request_deserializer=ps_pb2.RegisterRequest.FromString,
@@ -137,13 +159,19 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, request_deserializer=ps_pb2.PullRequest.FromString,
             response_serializer=_passthrough),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(
+            servicer.Heartbeat, request_deserializer=ps_pb2.HeartbeatRequest.FromString,
+            response_serializer=ps_pb2.HeartbeatResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(address)
+        if tls is not None:
+            port = server.add_secure_port(address, tls.credentials())
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as e:
         raise RuntimeError(f"Cannot bind the PS to {address!r}: {e}") from None
     if port == 0:
@@ -176,6 +204,33 @@ def _parse_args(argv):
                         help="split variables above this size (must match the workers)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight RPCs get on SIGTERM/SIGINT")
+    parser.add_argument("--worker-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="a worker silent this long is lost: the job fails and this PS "
+                             "exits 1 (workers send a heartbeat every second; default 10)")
+    parser.add_argument("--worker-startup-timeout", type=float, default=300.0,
+                        metavar="SECONDS",
+                        help="once a worker has connected, every other one must within this "
+                             "long, or the job fails (default 300)")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                        help="save checkpoints here and restore the newest on start")
+    parser.add_argument("--checkpoint-steps", type=int, default=None, metavar="N",
+                        help="checkpoint every N steps (use the steps per epoch with Keras' "
+                             "BackupAndRestore)")
+    parser.add_argument("--checkpoint-secs", type=float, default=None, metavar="S",
+                        help="checkpoint at most every S seconds (default 600 when no "
+                             "--checkpoint-steps)")
+    parser.add_argument("--checkpoint-keep", type=int, default=3, metavar="K",
+                        help="keep the newest K checkpoints (default 3)")
+    parser.add_argument("--token-file", default=None, metavar="PATH",
+                        help="file holding the token every RPC must carry (default: "
+                             f"${security.TOKEN_ENV} or ${security.TOKEN_FILE_ENV}; none: no "
+                             "authentication)")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM",
+                        help=f"serve TLS with this certificate chain (or ${security.TLS_CERT_ENV})")
+    parser.add_argument("--tls-key", default=None, metavar="PEM",
+                        help=f"the certificate's private key (or ${security.TLS_KEY_ENV})")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow binding a non-loopback address without a token")
     return parser.parse_args(argv)
 
 
@@ -214,6 +269,48 @@ def _task_from_args(args):
     return task
 
 
+def _check_exposure(args, host: str, token: security.Token | None) -> None:
+    """Refuses (ValueError) a non-loopback bind without a token unless --insecure."""
+    if token is not None or security.is_loopback(host):
+        return
+    if args.insecure:
+        logger.warning("serving on %s without a token (--insecure): anyone who reaches the "
+                       "port can register a model and push gradients", host)
+        return
+    default = (" (the default with TF_CONFIG, whose workers are usually on other hosts)"
+               if args.host is None else "")
+    raise ValueError(
+        f"refusing to serve on {host}{default} without a token: it is not a loopback address, "
+        "so anyone who reaches the port could register a model and push gradients. Give "
+        f"this PS and every worker the same token ({security.TOKEN_ENV}, "
+        f"{security.TOKEN_FILE_ENV}, or --token-file PATH here), bind --host 127.0.0.1 for a "
+        f"local cluster, or pass --insecure on a trusted network. Received: host={host}")
+
+
+def _checkpoint_policy(args):
+    """The --checkpoint-* flags as a policy (None without --checkpoint-dir)."""
+    from prophet_tf.ps.checkpoint import CheckpointPolicy
+
+    for flag in ("worker_timeout", "worker_startup_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0. "
+                             f"Received: {getattr(args, flag)}")
+    if args.checkpoint_dir is None:
+        given = [f for f in ("checkpoint_steps", "checkpoint_secs") if getattr(args, f)]
+        if given:
+            raise ValueError("--checkpoint-steps/--checkpoint-secs need --checkpoint-dir. "
+                             f"Received: --{given[0].replace('_', '-')} without it")
+        return None
+    secs = args.checkpoint_secs
+    if secs is None and args.checkpoint_steps is None:
+        secs = 600.0
+    try:
+        return CheckpointPolicy(args.checkpoint_dir, every_steps=args.checkpoint_steps,
+                                every_secs=secs, keep=args.checkpoint_keep)
+    except ValueError as e:
+        raise ValueError(f"bad --checkpoint-* flag: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs a PS task until SIGTERM/SIGINT; returns the exit code."""
     args = _parse_args(sys.argv[1:] if argv is None else argv)
@@ -222,6 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         num_workers, ps_index, num_ps, host, port = _task_from_args(args)
+        token = security.load_token(token_file=args.token_file)
+        tls = security.load_server_tls(args.tls_cert, args.tls_key)
+        _check_exposure(args, host, token)
+    except ValueError as e:
+        print(f"prophet-tf ps: {e}", file=sys.stderr)
+        return 2
+    try:
+        checkpoint_policy = _checkpoint_policy(args)
     except ValueError as e:
         print(f"prophet-tf ps: {e}", file=sys.stderr)
         return 2
@@ -232,30 +337,39 @@ def main(argv: list[str] | None = None) -> int:
 
     from prophet_tf.ps.servicer import ParameterServerServicer  # imports TF: seconds
 
+    failed = threading.Event()
     servicer = ParameterServerServicer(
         num_workers, ps_index, num_ps, max_partition_bytes=args.max_partition_bytes,
-        max_chunk_bytes=MAX_MESSAGE_BYTES - _CHUNK_OVERHEAD)
+        max_chunk_bytes=MAX_MESSAGE_BYTES - _CHUNK_OVERHEAD,
+        worker_timeout_s=args.worker_timeout,
+        startup_timeout_s=args.worker_startup_timeout, checkpoint=checkpoint_policy,
+        on_failure=lambda _message: failed.set())
     try:
-        server, bound = create_server(f"{host}:{port}", servicer)
+        server, bound = create_server(f"{host}:{port}", servicer, token=token, tls=tls)
     except RuntimeError as e:
         print(f"prophet-tf ps: {e}", file=sys.stderr)
         servicer.close()
         return 1
     server.start()
-    logger.info("prophet-tf ps listening on %s:%d (ps %d of %d, %d workers)",
-                host, bound, ps_index, num_ps, num_workers)
+    logger.info("prophet-tf ps listening on %s:%d (ps %d of %d, %d workers; %s, %s)",
+                host, bound, ps_index, num_ps, num_workers, "TLS" if tls else "plaintext",
+                token or "no token")
     if args.port_file:
         tmp = f"{args.port_file}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             f.write(f"{bound}\n")
         os.replace(tmp, args.port_file)
-    while not stop.wait(1.0):
-        pass
+    while not stop.wait(0.2):
+        if failed.is_set():
+            # Let the workers' heartbeats collect the reason, then exit 1.
+            stop.wait(_FAILURE_LINGER_S)
+            print(f"prophet-tf ps: {servicer.failure}", file=sys.stderr, flush=True)
+            break
     logger.info("prophet-tf ps shutting down (grace %.1f s)", args.grace)
     server.health.enter_graceful_shutdown()
     server.stop(args.grace).wait()
     servicer.close()
-    return 0
+    return 1 if failed.is_set() else 0
 
 
 if __name__ == "__main__":

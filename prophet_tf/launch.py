@@ -8,6 +8,12 @@ TF_CONFIG. Every line a task prints is prefixed with the task's name. The
 launcher exits with the first failing task's exit code after stopping the
 others, or 0 once every worker has finished. Children die with the launcher
 (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
+
+On its stderr the launcher prints each task's state as it changes (starting,
+healthy, training with epoch and step, done, failed, stopped; see
+prophet_tf.progress) and a summary table at the end. With ``--restart K`` a
+failed cluster is stopped and started again, PS tasks included, up to K
+times. ``--checkpoint-dir D`` gives PS task i ``--checkpoint-dir D/ps-<i>``.
 """
 from __future__ import annotations
 
@@ -23,7 +29,12 @@ import tempfile
 import threading
 import time
 
+from prophet_tf import progress
+
 logger = logging.getLogger(__name__)
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVEL_ENV = "PROPHET_TF_LOG_LEVEL"
 
 _PR_SET_PDEATHSIG = 1
 # Loaded here, not in the child: dlopen between fork and exec can deadlock
@@ -52,6 +63,9 @@ class Task:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], out=None):
         self.name = name
         self._out = out or sys.stdout
+        self.status_file = env.get(progress.STATUS_FILE_ENV)
+        self._terminated = False
+        logger.debug("starting %s: %s", name, " ".join(argv))
         self.process = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid()))
@@ -68,14 +82,21 @@ class Task:
     def poll(self):
         return self.process.poll()
 
+    def status(self) -> dict | None:
+        """What the task last wrote to its status file (workers only)."""
+        return progress.read_status(self.status_file) if self.status_file else None
+
     def terminate(self) -> None:
-        if self.process.poll() is None:
+        # Once: a second SIGTERM could land after the task's handler is gone
+        # (while the interpreter exits) and kill a graceful shutdown.
+        if self.process.poll() is None and not self._terminated:
+            self._terminated = True
             self.process.terminate()
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after `grace_s`; always reaps."""
+        """SIGTERM (unless already sent), then SIGKILL after `grace_s`; always reaps."""
         if self.process.poll() is None:
-            self.process.terminate()
+            self.terminate()
             try:
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
@@ -110,103 +131,231 @@ def _wait_for_port_file(task: Task, path: str, timeout_s: float,
 
 
 def _wait_healthy(task: Task, address: str, timeout_s: float,
-                  stopping: threading.Event) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if stopping.is_set():
-                raise _Interrupted
-            if task.poll() is not None:
-                raise RuntimeError(f"{task.name} exited with code {task.poll()} before it "
-                                   "was SERVING")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"PS at {address} was not SERVING within {timeout_s:.0f} s")
-            time.sleep(0.1)
+                  stopping: threading.Event, security=None) -> None:
+    """Waits for SERVING (with the cluster's token/TLS `security`, default from the env)."""
+    from prophet_tf.ps import health  # grpc only, no TensorFlow
+
+    def alive():
+        if stopping.is_set():
+            raise _Interrupted
+        if task.poll() is not None:
+            raise RuntimeError(f"{task.name} exited with code {task.poll()} before it "
+                               "was SERVING")
+
+    health.wait_serving(address, timeout_s, alive=alive, security=security)
 
 
 def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | None = None,
-           host: str = "127.0.0.1", startup_timeout_s: float = 120.0, out=None) -> int:
-    """Runs the cluster to completion; returns the exit code (see module doc)."""
+           host: str = "127.0.0.1", startup_timeout_s: float = 120.0, out=None, *,
+           restarts: int = 0, checkpoint_dir: str | None = None,
+           checkpoint_steps: int | None = None, checkpoint_secs: float | None = None,
+           log_level: str | None = None, progress_interval_s: float = 10.0,
+           verbose: bool = True) -> int:
+    """Runs the cluster to completion; returns the exit code (see module doc).
+
+    Args:
+      command: the worker command (every worker runs it).
+      num_workers, num_ps: how many worker and PS tasks.
+      scheduler: exported to the workers as PROPHET_TF_SCHEDULER.
+      host: the address the PS tasks bind and the cluster spec names.
+      startup_timeout_s: how long each PS may take to listen and be SERVING.
+      out: where the tasks' prefixed lines go (default stdout).
+      restarts: after a failure (a task exited non-zero, or a PS did not
+        come up), stop everything and start the whole cluster again, up to
+        this many times. The exit code is the last attempt's.
+      checkpoint_dir: PS task i checkpoints to ``checkpoint_dir/ps-<i>``.
+      checkpoint_steps, checkpoint_secs: passed to every PS task.
+      log_level: exported to every task as PROPHET_TF_LOG_LEVEL.
+      progress_interval_s: at most one progress line per training worker in
+        this time unless its epoch changes; 0 prints state changes only.
+      verbose: print state changes (False: failures and summaries only).
+
+    Raises:
+      ValueError: a bad argument, before anything starts.
+      RuntimeError, TimeoutError: a PS did not come up (in the last attempt).
+    """
+    if not isinstance(restarts, int) or restarts < 0:
+        raise ValueError(f"restarts must be an integer >= 0. Received: restarts={restarts!r}")
+    if log_level is not None and log_level not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}. "
+                         f"Received: log_level={log_level!r}")
+    if progress_interval_s < 0:
+        raise ValueError("progress_interval_s must be >= 0. "
+                         f"Received: progress_interval_s={progress_interval_s!r}")
     if num_workers < 1 or num_ps < 1:
         raise ValueError(f"need at least one worker and one ps. Received: workers={num_workers}, "
                          f"ps={num_ps}")
     if not command:
         raise ValueError("no worker command given; put it after `--`. Received: CMD=[]")
-    tasks: list[Task] = []
+    from prophet_tf.ps import security as security_lib
+    base_env = dict(os.environ)
+    if security_lib.TOKEN_ENV not in base_env and security_lib.TOKEN_FILE_ENV not in base_env:
+        # Authenticated by default: every task of this cluster, and only they, get the token.
+        import secrets
+        base_env[security_lib.TOKEN_ENV] = secrets.token_urlsafe(32)
+        logger.info("generated a token for this cluster (%s in every task's environment)",
+                    security_lib.TOKEN_ENV)
+    client_security = security_lib.client_security(base_env)  # bad settings: fail before starting
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
         stopping.set()
 
+    if log_level is not None:
+        base_env[LOG_LEVEL_ENV] = log_level
+    ps_flags = _checkpoint_flags(checkpoint_dir, checkpoint_steps, checkpoint_secs)
+    cluster = _Cluster(command, num_workers, num_ps, scheduler, host, startup_timeout_s, out,
+                       base_env, client_security, ps_flags, progress_interval_s, verbose)
+    attempts = restarts + 1
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with tempfile.TemporaryDirectory(prefix="prophet-tf-launch-") as tmp:
-            ps_addresses = []
-            for i in range(num_ps):
-                port_file = os.path.join(tmp, f"ps{i}.port")
-                argv = [sys.executable, "-m", "prophet_tf", "ps", "--host", host, "--port", "0",
-                        "--num-workers", str(num_workers), "--ps-index", str(i),
-                        "--num-ps", str(num_ps), "--port-file", port_file]
-                tasks.append(Task(f"ps {i}", argv, dict(os.environ), out))
-                ps_addresses.append((tasks[-1], port_file))
-            addresses = []
-            for task, port_file in ps_addresses:
-                port = _wait_for_port_file(task, port_file, startup_timeout_s, stopping)
-                addresses.append(f"{host}:{port}")
-            for (task, _), address in zip(ps_addresses, addresses):
-                _wait_healthy(task, address, startup_timeout_s, stopping)
-            # Workers do not listen yet; a free port keeps their names valid addresses.
-            workers = [f"{host}:{_free_port(host)}" for _ in range(num_workers)]
-            cluster = {"worker": workers, "ps": addresses}
-            worker_tasks = []
-            for i in range(num_workers):
-                env = dict(os.environ)
-                env.setdefault("PYTHONUNBUFFERED", "1")  # Relay Python workers' lines as printed.
-                env["TF_CONFIG"] = json.dumps({"cluster": cluster,
-                                               "task": {"type": "worker", "index": i}})
-                if scheduler:
-                    env["PROPHET_TF_SCHEDULER"] = scheduler
-                worker_tasks.append(Task(f"worker {i}", list(command), env, out))
-            tasks.extend(worker_tasks)
-            return _supervise(tasks, worker_tasks, stopping)
-    except _Interrupted:
-        print("prophet-tf launch: interrupted while the PS tasks were starting; stopping them",
-              file=sys.stderr, flush=True)
-        return 130
+        failure = ""
+        for attempt in range(1, attempts + 1):
+            if attempts > 1:
+                why = f"; the previous attempt failed: {failure}" if failure else ""
+                print(f"prophet-tf launch: attempt {attempt} of {attempts}{why}",
+                      file=sys.stderr, flush=True)
+            try:
+                code, failure = cluster.run(stopping, attempt if attempts > 1 else None)
+            except (RuntimeError, TimeoutError) as e:  # A PS did not come up.
+                if attempt == attempts or stopping.is_set():
+                    raise
+                code, failure = 1, str(e)
+            if code == 0 or not failure or stopping.is_set():
+                return code
+        return code
     finally:
-        for task in tasks:  # Signal everyone first: the PS grace periods overlap.
-            task.terminate()
-        for task in reversed(tasks):
-            task.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _supervise(tasks: list[Task], workers: list[Task], stopping: threading.Event) -> int:
-    """Waits for all workers; the first failure (or a signal) stops everyone."""
+def _checkpoint_flags(directory: str | None, steps: int | None, secs: float | None):
+    """The PS checkpoint flags of PS task i, as a function of i."""
+    if directory is None:
+        if steps is not None or secs is not None:
+            raise ValueError("--checkpoint-steps and --checkpoint-secs need --checkpoint-dir. "
+                             f"Received: checkpoint_steps={steps}, checkpoint_secs={secs}")
+        return lambda i: []
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"checkpoint_steps must be an integer >= 1. Received: {steps!r}")
+    if secs is not None and not secs > 0:
+        raise ValueError(f"checkpoint_secs must be > 0. Received: {secs!r}")
+    extra = (["--checkpoint-steps", str(steps)] if steps is not None else []) + \
+        (["--checkpoint-secs", repr(float(secs))] if secs is not None else [])
+    return lambda i: ["--checkpoint-dir", os.path.join(directory, f"ps-{i}"), *extra]
+
+
+class _Cluster:
+    """Everything needed to start the cluster; `run` starts one attempt."""
+
+    def __init__(self, command, num_workers, num_ps, scheduler, host, startup_timeout_s, out,
+                 base_env, client_security, ps_flags, progress_interval_s, verbose):
+        self.command, self.num_workers, self.num_ps = command, num_workers, num_ps
+        self.scheduler, self.host, self.startup_timeout_s = scheduler, host, startup_timeout_s
+        self.out, self.base_env, self.client_security = out, base_env, client_security
+        self.ps_flags, self.progress_interval_s = ps_flags, progress_interval_s
+        self.verbose = verbose
+
+    def run(self, stopping: threading.Event, attempt: int | None) -> tuple[int, str]:
+        """Starts the PS tasks, then the workers, and supervises them until the end.
+
+        Returns:
+          The exit code, and why the cluster failed ("" when it did not, or
+          was interrupted).
+        """
+        tasks: list[Task] = []
+        board = progress.Board(interval_s=self.progress_interval_s, verbose=self.verbose)
+        host, num_workers, num_ps = self.host, self.num_workers, self.num_ps
+        try:
+            with tempfile.TemporaryDirectory(prefix="prophet-tf-launch-") as tmp:
+                ps_addresses = []
+                for i in range(num_ps):
+                    port_file = os.path.join(tmp, f"ps{i}.port")
+                    argv = [sys.executable, "-m", "prophet_tf", "ps", "--host", host, "--port",
+                            "0", "--num-workers", str(num_workers), "--ps-index", str(i),
+                            "--num-ps", str(num_ps), "--port-file", port_file, *self.ps_flags(i)]
+                    tasks.append(Task(f"ps {i}", argv, dict(self.base_env), self.out))
+                    board.add(tasks[-1].name, "ps")
+                    ps_addresses.append((tasks[-1], port_file))
+                addresses = []
+                for task, port_file in ps_addresses:
+                    port = _wait_for_port_file(task, port_file, self.startup_timeout_s, stopping)
+                    addresses.append(f"{host}:{port}")
+                for (task, _), address in zip(ps_addresses, addresses):
+                    _wait_healthy(task, address, self.startup_timeout_s, stopping,
+                                  self.client_security)
+                    board.healthy(task.name, address)
+                # Workers do not listen yet; a free port keeps their names valid addresses.
+                workers = [f"{host}:{_free_port(host)}" for _ in range(num_workers)]
+                cluster = {"worker": workers, "ps": addresses}
+                worker_tasks = []
+                for i in range(num_workers):
+                    env = dict(self.base_env)
+                    env.setdefault("PYTHONUNBUFFERED", "1")  # Relay workers' lines as printed.
+                    env["TF_CONFIG"] = json.dumps({"cluster": cluster,
+                                                   "task": {"type": "worker", "index": i}})
+                    env[progress.STATUS_FILE_ENV] = os.path.join(tmp, f"worker-{i}.status.json")
+                    if self.scheduler:
+                        env["PROPHET_TF_SCHEDULER"] = self.scheduler
+                    worker_tasks.append(Task(f"worker {i}", list(self.command), env, self.out))
+                    board.add(worker_tasks[-1].name, "worker")
+                tasks.extend(worker_tasks)
+                try:
+                    return _supervise(tasks, worker_tasks, stopping, board)
+                finally:
+                    _stop_all(tasks, board)  # Before the status files go with `tmp`.
+        except _Interrupted:
+            print("prophet-tf launch: interrupted while the PS tasks were starting; stopping "
+                  "them", file=sys.stderr, flush=True)
+            return 130, ""
+        finally:
+            _stop_all(tasks, board)
+            board.print_summary(f"summary of attempt {attempt}" if attempt else "summary")
+
+
+def _stop_all(tasks: list[Task], board: progress.Board) -> None:
+    """Stops and reaps every task still running; records how each ended."""
+    running = {task.name for task in tasks if task.poll() is None}
+    for task in tasks:  # Signal everyone first: the PS grace periods overlap.
+        task.terminate()
+    for task in reversed(tasks):
+        task.stop()
+    for task in tasks:
+        board.progress(task.name, task.status())
+        board.exited(task.name, task.poll(), stopped_by_launcher=task.name in running)
+
+
+def _supervise(tasks: list[Task], workers: list[Task], stopping: threading.Event,
+               board: progress.Board) -> tuple[int, str]:
+    """Waits for all workers; the first failure (or a signal) stops everyone.
+
+    Returns:
+      The exit code, and what failed ("" if nothing did).
+    """
+    next_status = 0.0
     while not stopping.is_set():
+        if time.monotonic() >= next_status:  # Status files change at most once a second.
+            next_status = time.monotonic() + 0.5
+            for task in workers:
+                if task.poll() is None:
+                    board.progress(task.name, task.status())
         for task in tasks:
             code = task.poll()
-            if code not in (None, 0) or (code == 0 and task not in workers):
-                logger.error("%s exited with code %s; stopping the cluster", task.name, code)
-                print(f"prophet-tf launch: {task.name} exited with code {code}; stopping the "
-                      "other tasks", file=sys.stderr, flush=True)
+            if code is None:
+                continue
+            board.progress(task.name, task.status())
+            board.exited(task.name, code)
+            if code != 0 or task not in workers:
+                what = f"{task.name} exited with code {code}"
+                print(f"prophet-tf launch: {what}; stopping the other tasks", file=sys.stderr,
+                      flush=True)
                 # Killed by signal N (code -N): exit 128+N like a shell would.
-                return 128 - code if code < 0 else code or 1
+                return (128 - code if code < 0 else code or 1), what
         if all(w.poll() == 0 for w in workers):
-            return 0
+            return 0, ""
         time.sleep(0.1)
     print("prophet-tf launch: interrupted; stopping all tasks", file=sys.stderr, flush=True)
-    return 130
+    return 130, ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:split], argv[split + 1:]
     parser = argparse.ArgumentParser(
         prog="prophet-tf launch", description=__doc__.split("\n\n")[0],
-        usage="prophet-tf launch --workers N --ps M [--scheduler S] -- CMD [ARGS]")
+        usage="prophet-tf launch --workers N --ps M [--scheduler S] [--restart K] "
+              "[--checkpoint-dir D] [--log-level L] -- CMD [ARGS]")
     parser.add_argument("--workers", type=int, required=True, help="number of worker processes")
     parser.add_argument("--ps", type=int, default=1, help="number of PS tasks (default 1)")
     parser.add_argument("--scheduler", default=None,
@@ -225,14 +375,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address the PS tasks bind")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="seconds to wait for each PS to become healthy")
+    parser.add_argument("--restart", type=int, default=0, metavar="K",
+                        help="after a failure, stop everything and start the whole cluster "
+                             "again, up to K times (default 0)")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="D",
+                        help="PS task i checkpoints to D/ps-<i> (prophet-tf ps --checkpoint-dir)")
+    parser.add_argument("--checkpoint-steps", type=int, default=None, metavar="N",
+                        help="passed to every PS task (needs --checkpoint-dir)")
+    parser.add_argument("--checkpoint-secs", type=float, default=None, metavar="S",
+                        help="passed to every PS task (needs --checkpoint-dir)")
+    default_level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                        default=default_level if default_level in LOG_LEVELS else "INFO",
+                        help="the launcher's log level, also exported to every task as "
+                             f"{LOG_LEVEL_ENV} (default: ${LOG_LEVEL_ENV}, else INFO); "
+                             "above INFO, state changes are not printed")
+    parser.add_argument("--progress-interval", type=float, default=10.0, metavar="S",
+                        help="at most one progress line per training worker every S seconds "
+                             "unless its epoch changes; 0: state changes only (default 10)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if args.restart < 0:
+        parser.error(f"--restart must be >= 0. Received: --restart={args.restart}")
+    if args.progress_interval < 0:
+        parser.error(f"--progress-interval must be >= 0. Received: "
+                     f"--progress-interval={args.progress_interval}")
     try:
         if args.scheduler is not None:
             from prophet_tf.engine.schedulers import validate_scheduler
             validate_scheduler(args.scheduler)
         return launch(command, args.workers, args.ps, args.scheduler, args.host,
-                      args.startup_timeout)
+                      args.startup_timeout, restarts=args.restart,
+                      checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_steps=args.checkpoint_steps,
+                      checkpoint_secs=args.checkpoint_secs, log_level=args.log_level,
+                      progress_interval_s=args.progress_interval,
+                      verbose=logging.getLevelName(args.log_level) <= logging.INFO)
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"prophet-tf launch: {e}", file=sys.stderr)
         return 2

@@ -40,8 +40,11 @@ WORKER = textwrap.dedent(r'''
         status = {}
         for address in addresses:
             with grpc.insecure_channel(address) as channel:
+                # The launcher gives every task the cluster's token.
+                token = os.environ["PROPHET_TF_TOKEN"]
                 reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=10)
+                    health_pb2.HealthCheckRequest(), timeout=10,
+                    metadata=(("authorization", "Bearer " + token),))
                 status[address] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         return status
 
@@ -80,7 +83,7 @@ def worker_script(tmp_path):
 def _env():
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2",
                TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
-    for name in ("TF_CONFIG", "PROPHET_TF_SCHEDULER"):
+    for name in ("TF_CONFIG", "PROPHET_TF_SCHEDULER", "PROPHET_TF_LOG_LEVEL"):
         env.pop(name, None)
     return env
 
@@ -337,3 +340,129 @@ def test_wait_healthy_gives_up_when_ps_died():
     from prophet_tf import launch
     with pytest.raises(RuntimeError, match="ps 0 exited with code 1 before it was SERVING"):
         launch._wait_healthy(_DeadTask(), "127.0.0.1:1", 60.0, threading.Event())
+
+
+# -- progress lines, summary, --log-level ----------------------------------------------------
+
+PROGRESS_WORKER = textwrap.dedent(r'''
+    import json, os, sys, time
+    from prophet_tf import progress   # no TensorFlow
+
+    mode = sys.argv[1]
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    print("ENV " + json.dumps({"index": index, "pid": os.getpid(), "ppid": os.getppid(),
+                               "log_level": os.environ.get("PROPHET_TF_LOG_LEVEL"),
+                               "status_file": os.environ.get("PROPHET_TF_STATUS_FILE")}),
+          flush=True)
+    for epoch in (1, 2):
+        progress.report(epoch=epoch, epochs=2)
+        for step in range(5):
+            progress.report(step=(epoch - 1) * 5 + step + 1)
+            time.sleep(0.4)
+        if mode == "fail" and index == 0:
+            sys.exit(3)
+    if mode == "fail":
+        time.sleep(60)   # worker 1 trains on until the launcher stops it
+''')
+
+
+@pytest.fixture
+def progress_worker(tmp_path):
+    path = tmp_path / "progress_worker.py"
+    path.write_text(PROGRESS_WORKER)
+    return path
+
+
+def _envs(output):
+    return sorted((json.loads(line.split("ENV ", 1)[1]) for line in output.splitlines()
+                   if "ENV " in line), key=lambda r: r["index"])
+
+
+def _summary(stderr):
+    """Rows of the last summary table: {task: [state, exit code, wall, last step]}."""
+    lines = stderr.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("prophet-tf launch: summary"))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("  "):
+            break
+        cells = [c for c in line.strip().split("  ") if c.strip()]
+        rows[cells[0].strip()] = [c.strip() for c in cells[1:]]
+    return rows
+
+
+@pytest.mark.timeout(120)
+def test_progress_lines_and_summary(progress_worker):
+    result = _run(["--workers", "2", "--ps", "1", "--progress-interval", "0", "--",
+                   sys.executable, str(progress_worker), "ok"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    err = result.stderr.splitlines()
+    assert "prophet-tf launch: ps 0: starting" in err
+    assert any(line.startswith("prophet-tf launch: ps 0: healthy at 127.0.0.1:") for line in err)
+    for i in range(2):
+        mine = [line for line in err if line.startswith(f"prophet-tf launch: worker {i}: ")]
+        states = [line.split(": ", 2)[2].split(",")[0] for line in mine]
+        assert states[0] == "starting" and states[-1] == "done", mine
+        assert "training" in states, mine
+        assert mine[-1].startswith(f"prophet-tf launch: worker {i}: done, epoch 2/2, step 10, "
+                                   "after "), mine
+    assert "prophet-tf launch: ps 0: stopped" in "\n".join(err)
+    rows = _summary(result.stderr)
+    assert rows["ps 0"][:2] == ["stopped", "0"] and rows["ps 0"][3] == "-"
+    for i in range(2):
+        state, code, wall, step = rows[f"worker {i}"]
+        assert (state, code, step) == ("done", "0", "10 (epoch 2)")
+        assert wall.endswith(" s") and float(wall[:-2]) >= 4.0   # two epochs of 5 x 0.4 s
+    # Each worker had its own status file, under the launcher's temporary directory.
+    envs = _envs(result.stdout)
+    files = [e["status_file"] for e in envs]
+    assert len(set(files)) == 2 and all(f.endswith(f"worker-{i}.status.json")
+                                        for i, f in enumerate(files))
+    assert not any(os.path.exists(f) for f in files)   # cleaned up with the cluster
+
+
+@pytest.mark.timeout(120)
+def test_failed_worker_in_progress_and_summary(progress_worker):
+    result = _run(["--workers", "2", "--ps", "1", "--", sys.executable, str(progress_worker),
+                   "fail"])
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert any(line.startswith("prophet-tf launch: worker 0: failed (exit code 3), epoch 1/2, "
+                               "step 5, after ") for line in result.stderr.splitlines())
+    rows = _summary(result.stderr)
+    assert rows["worker 0"][0:2] == ["failed", "3"] and rows["worker 0"][3] == "5 (epoch 1)"
+    assert rows["worker 1"][0:2] == ["stopped", "-15 (SIGTERM)"]
+    assert rows["ps 0"][0] == "stopped"
+
+
+@pytest.mark.timeout(120)
+def test_log_level_debug_is_exported(progress_worker):
+    result = _run(["--workers", "1", "--ps", "1", "--log-level", "DEBUG", "--", sys.executable,
+                   str(progress_worker), "ok"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    (env,) = _envs(result.stdout)
+    assert env["log_level"] == "DEBUG"
+    assert "DEBUG prophet_tf.launch: starting worker 0: " in result.stderr
+    assert "DEBUG prophet_tf.launch: starting ps 0: " in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_log_level_warning_quiets_launcher_and_ps(progress_worker):
+    result = _run(["--workers", "1", "--ps", "1", "--log-level", "warning", "--",
+                   sys.executable, str(progress_worker), "ok"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    (env,) = _envs(result.stdout)
+    assert env["log_level"] == "WARNING"
+    assert "starting" not in result.stderr and "healthy" not in result.stderr
+    assert "INFO prophet_tf" not in result.stderr
+    # The PS reads PROPHET_TF_LOG_LEVEL: its INFO line "listening on" is gone.
+    assert "listening on" not in result.stdout
+    assert _summary(result.stderr)["worker 0"][:2] == ["done", "0"]   # the summary stays
+
+
+@pytest.mark.timeout(30)
+def test_bad_log_level():
+    result = _run(["--workers", "1", "--ps", "1", "--log-level", "LOUD", "--", "true"],
+                  timeout=20)
+    assert result.returncode == 2
+    assert "--log-level" in result.stderr and "LOUD" in result.stderr
+    assert "DEBUG" in result.stderr and "[ps" not in result.stdout

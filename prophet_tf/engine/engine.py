@@ -29,9 +29,10 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import grpc
 import numpy as np
 
-from prophet_tf import _native, codec
+from prophet_tf import _native, codec, progress
 from prophet_tf import timeline as timeline_lib
 from prophet_tf import cluster as cluster_lib
 from prophet_tf.engine import schedulers
@@ -62,7 +63,8 @@ class Engine:
       scheduler: scheduler name, optionally with options ("bytescheduler:
         credit_bytes=8000000"); None reads PROPHET_TF_SCHEDULER, else "fifo".
       scheduler_options: options of the scheduler (see its class).
-      rpc_timeout_s: deadline of each RPC and of waiting for a version.
+      rpc_timeout_s: deadline of each RPC; a wait for a version is renewed
+        after it while the heartbeats say every task is alive.
       timeline: where to write the Chrome-trace timeline (see
         prophet_tf.timeline); None reads PROPHET_TF_TIMELINE; "" disables.
 
@@ -72,6 +74,10 @@ class Engine:
 
     #: Pushes on the wire per PS link: two hide the gap between transfers.
     MAX_RPCS_PER_LINK = 2
+    #: Seconds between heartbeats to each PS (its --worker-timeout is 10 s).
+    HEARTBEAT_INTERVAL_S = 1.0
+    #: A PS that answers no heartbeat for this long is lost.
+    PS_TIMEOUT_S = 10.0
 
     def __init__(self, config: cluster_lib.ClusterConfig, scheduler: str | None = None, *,
                  scheduler_options: dict | None = None, rpc_timeout_s: float = 120.0,
@@ -100,8 +106,8 @@ class Engine:
     # -- start ---------------------------------------------------------------------------
 
     def start(self, variables: Sequence, optimizer_config: str,
-              learning_rate: Callable[[], float] | None = None) -> None:
-        """Registers the trained variables with every PS, stages version 0, starts threads.
+              learning_rate: Callable[[], float] | None = None, resume_step: int = 0) -> int:
+        """Registers the trained variables with every PS, stages the first version, starts threads.
 
         Args:
           variables: the trained PSVariables in trainable_variables order.
@@ -110,6 +116,12 @@ class Engine:
             (None when it is a schedule, which the PS computes itself); read
             when each step's first gradient arrives and sent with its pushes,
             so callbacks that change it reach the PS.
+          resume_step: steps this worker's own state already trained (its
+            optimizer's restored iteration count); 0 for a fresh start.
+
+        Returns:
+          The step training starts from: 0, ``resume_step``, or the step of
+          the checkpoint the PS tasks restored.
         """
         if self._started:
             raise RuntimeError("the engine was already started")
@@ -134,16 +146,16 @@ class Engine:
                          for address in self.config.ps]
         for client in self._clients:
             client.wait_ready(self.rpc_timeout_s)
-        initial = None
-        if self.worker_id == 0:
-            # Version 0, staged at creation (in eager mode the step counter
-            # has already moved on to the step being traced).
-            initial = {i: _native.await_param(0, key=v.ps_key, dtype=v.dtype,
-                                              shape=v.shape).numpy()
-                       for i, v in enumerate(variables)}
-        for client in self._clients:
-            client.register(specs, optimizer_config, initial, timeout=self.rpc_timeout_s,
-                            max_partition_bytes=self._partition_bytes)
+        # Heartbeats start before Register: registering may wait for worker
+        # 0's values, and a worker that dies meanwhile must be noticed too.
+        self._last_step = -1
+        for i in range(len(self._clients)):
+            self._spawn(f"prophet-tf-heartbeat-{i}", self._heartbeat, i)
+        try:
+            self.start_step = start = self._register(variables, optimizer_config, resume_step)
+        except BaseException:
+            self._stop.set()  # No heartbeats for a worker that will not train.
+            raise
         self._lock = threading.Lock()  # The scheduler, the gradients, the in-flight counts.
         self._idle = threading.Condition(self._lock)
         self._grads: dict[tuple[int, int], list] = {}  # (ps key, step) -> [Grad, unsent parts]
@@ -153,13 +165,14 @@ class Engine:
         self._pull_queues = [queue.Queue() for _ in self._clients]
         self._assembly: dict[tuple[int, int], list] = {}
         self._assembly_lock = threading.Lock()
-        self._last_step = -1
+        self._last_step = start - 1
         self._plan_version = None
         self._learning_rate = learning_rate
         self._step_learning_rates: dict[int, float] = {}
-        # Version 0 comes from the PS, so every worker starts from worker 0's values.
+        # The first version comes from the PS, so every worker starts from
+        # the same values (worker 0's, or a checkpoint's).
         for ps_index in range(len(self._clients)):
-            self._pull_version(ps_index, 0)
+            self._pull_version(ps_index, start)
         self._spawn("prophet-tf-pump", self._pump)
         for i in range(len(self._clients)):
             self._spawn(f"prophet-tf-send-{i}", self._sender, i)
@@ -168,8 +181,30 @@ class Engine:
         # Push the last step's gradients before the interpreter exits, or the
         # other workers would wait for them in vain.
         atexit.register(self.shutdown)
-        logger.info("worker %d: training %d variables through %d PS task(s), scheduler %s",
-                    self.worker_id, len(specs), len(self._clients), self.scheduler_name)
+        logger.info("worker %d: training %d variables through %d PS task(s), scheduler %s%s",
+                    self.worker_id, len(specs), len(self._clients), self.scheduler_name,
+                    f", from step {start}" if start else "")
+        return start
+
+    def _register(self, variables, optimizer_config: str, resume_step: int) -> int:
+        """Declares the model to every PS; returns the step training starts from."""
+        initial = None
+        if self.worker_id == 0:
+            # Version 0, staged at creation (in eager mode the step counter
+            # has already moved on to the step being traced).
+            initial = {i: _native.await_param(0, key=v.ps_key, dtype=v.dtype,
+                                              shape=v.shape).numpy()
+                       for i, v in enumerate(variables)}
+        versions = [client.register(self._specs, optimizer_config, initial,
+                                    timeout=self.rpc_timeout_s, resume_step=resume_step,
+                                    max_partition_bytes=self._partition_bytes).version
+                    for client in self._clients]
+        if len(set(versions)) != 1:
+            raise RuntimeError(
+                "The PS tasks start from different steps (restored different checkpoints: "
+                "checkpoint by steps, not seconds, with several PS tasks). Received: "
+                + ", ".join(f"PS {i} at step {v}" for i, v in enumerate(versions)))
+        return versions[0]
 
     def _spawn(self, name, target, *args):
         thread = threading.Thread(target=self._guard, args=(target, *args), name=name, daemon=True)
@@ -206,6 +241,7 @@ class Engine:
             if grad.step > self._last_step:
                 # First gradient of a new step: the PS will have step+1 soon.
                 self._last_step = grad.step
+                progress.report(step=grad.step + 1)  # For `prophet-tf launch`.
                 if self._learning_rate is not None:
                     with self._lock:
                         self._step_learning_rates[grad.step] = float(self._learning_rate())
@@ -320,22 +356,34 @@ class Engine:
         owned = sorted((p for p in self._plan if p.ps_index == ps_index),
                        key=lambda p: (self._specs[p.key].priority, p.partition))
         previous = time.monotonic_ns()
-        try:
-            for chunk in client.pull(owned, version, timeout=self.rpc_timeout_s):
-                arrived = time.monotonic_ns()
-                native_key = self._native_keys[chunk.key]
-                _native.stamp(native_key, version, EngineStamp.PULL_RECEIVED)
-                if self._recorder is not None:
-                    self._recorder.transfer(timeline_lib.Transfer(
-                        "pull", ps_index, (native_key,), chunk.array.nbytes, version, previous,
-                        arrived))
-                previous = arrived
-                self._deliver_partition(chunk, version)
-        except Exception as e:
-            if self._stop.is_set():
-                return
-            raise RuntimeError(f"pull of version {version} from PS {ps_index} at "
-                               f"{client.address} failed: {_rpc_message(e)}") from e
+        waited_s = 0.0
+        while owned:
+            try:
+                for chunk in client.pull(owned, version, timeout=self.rpc_timeout_s):
+                    arrived = time.monotonic_ns()
+                    native_key = self._native_keys[chunk.key]
+                    _native.stamp(native_key, version, EngineStamp.PULL_RECEIVED)
+                    if self._recorder is not None:
+                        self._recorder.transfer(timeline_lib.Transfer(
+                            "pull", ps_index, (native_key,), chunk.array.nbytes, version,
+                            previous, arrived))
+                    previous = arrived
+                    self._deliver_partition(chunk, version)
+                    owned.pop(0)  # Partitions arrive in the order asked for.
+            except Exception as e:
+                if self._stop.is_set():
+                    return
+                code = getattr(e, "code", None)
+                if callable(code) and code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Slow peers are not lost ones: the heartbeats tell those
+                    # apart and fail the job, so waiting on is safe.
+                    waited_s += self.rpc_timeout_s
+                    logger.warning("worker %d: still waiting for version %d from PS %d at %s "
+                                   "after %.0f s (a slow worker?)", self.worker_id, version,
+                                   ps_index, client.address, waited_s)
+                    continue
+                raise RuntimeError(f"pull of version {version} from PS {ps_index} at "
+                                   f"{client.address} failed: {_rpc_message(e)}") from e
 
     def _deliver_partition(self, chunk, version: int) -> None:
         key = chunk.key
@@ -358,6 +406,47 @@ class Engine:
         if done:
             _native.deliver_commit(native_key, version)
 
+    # -- liveness ------------------------------------------------------------------------
+
+    def _heartbeat(self, ps_index: int) -> None:
+        """Keeps this worker alive on one PS and learns there when the job failed.
+
+        Pulls fail at once when a PS's connection breaks, but a worker that is
+        computing has no pull waiting, and a PS host that vanishes breaks no
+        connection: the heartbeat's deadline notices both.
+        """
+        client = self._clients[ps_index]
+        silent_since = None
+        while True:
+            try:
+                failure = client.heartbeat(self._last_step + 1, timeout=self.PS_TIMEOUT_S / 2)
+            except Exception as e:  # noqa: BLE001 - classified below
+                code = getattr(e, "code", None)
+                transient = callable(code) and code() in _TRANSIENT_CODES
+                now = time.monotonic()
+                silent_since = silent_since or now
+                if self._stop.is_set():
+                    return
+                if not transient or now - silent_since >= self.PS_TIMEOUT_S:
+                    raise RuntimeError(
+                        f"PS {ps_index} at {client.address} is unreachable (no heartbeat "
+                        f"answer for {now - silent_since:.1f} s): {_rpc_message(e)}") from e
+            else:
+                silent_since = None
+                if failure:
+                    raise RuntimeError(f"PS {ps_index} at {client.address} reports that the "
+                                       f"job failed: {failure}")
+            if self._stop.wait(self.HEARTBEAT_INTERVAL_S):
+                return
+
+    def _leave(self) -> None:
+        """Tells every PS this worker stops after the steps it pushed."""
+        for client in self._clients:
+            try:
+                client.heartbeat(self._last_step + 1, leaving=True, timeout=2.0)
+            except Exception as e:  # noqa: BLE001 - the PS may be gone already
+                logger.debug("leaving PS at %s: %s", client.address, _rpc_message(e))
+
     # -- stop ----------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -378,8 +467,11 @@ class Engine:
     def shutdown(self, flush_timeout_s: float = 30.0) -> None:
         """Pushes what is pending, writes the timeline, stops the threads."""
         if self._started and not self._stop.is_set():
-            self.flush(flush_timeout_s)
+            flushed = self.flush(flush_timeout_s)
             self.write_timeline()
+            self._stop.set()
+            if flushed:  # Otherwise the PS must not count the unsent steps as pushed.
+                self._leave()
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2.0)
@@ -394,6 +486,10 @@ class Engine:
                                     _native.stamps_dropped())
         logger.info("worker %d: timeline written to %s", self.worker_id, path)
         return path
+
+
+# Heartbeat errors that may pass (a PS restarting its listener, a slow answer).
+_TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _itemsize(dtype_name: str) -> int:

@@ -16,9 +16,13 @@ Step rules for a partition at ``version`` v (v optimizer steps applied):
 * duplicates are ignored and counted in ``PushResponse.duplicates``.
 
 A request is validated completely before anything changes; any error rejects
-all of it. When all W workers have pushed step v of a partition, the sum goes
-to one background thread that applies the optimizer (most urgent first:
-lowest step, then lowest priority value) and publishes version v + 1.
+all of it. A gradient holding a NaN or an Inf is such an error (INVALID_ARGUMENT
+naming the variable, partition and step): summed in, it would poison the
+parameters for good, so training fails at once instead.
+
+When all W workers have pushed step v of a partition, the sum goes to one
+background thread that applies the optimizer (most urgent first: lowest step,
+then lowest priority value) and publishes version v + 1.
 
 Sums are accumulated in float32 for float16/bfloat16 gradients (so W low-
 precision gradients do not lose bits; the optimizer casts the sum to the
@@ -31,13 +35,25 @@ owned partition. Before a partition's update for step k the iteration counter
 is set to k and ``optimizer.apply`` runs for that partition alone (both in one
 ``tf.function`` traced per partition), so learning rate schedules, Adam's bias
 correction, clipping by value and weight decay see exactly what single-process
-Keras sees at step k. Applies run one at a time on the apply thread. Not
-carried over from the worker: variable constraints (not in the spec) and
-learning-rate changes made during training (callbacks); schedules are. Options that couple
+Keras sees at step k. Applies run one at a time on the apply thread. A
+learning rate changed on the workers (callbacks) arrives with each step's
+pushes; schedules run here. Not carried over: variable constraints (not in
+the spec). Options that couple
 variables (``global_clipnorm``, EMA, gradient accumulation,
 ``LossScaleOptimizer``, Nadam's shared ``u_product``) are rejected at Register;
 ``clipnorm`` and whole-tensor optimizers (Lamb, Adafactor) are accepted only
 when no variable is split.
+
+Liveness: from Register on, each worker sends a Heartbeat about once a
+second. A worker silent for ``worker_timeout_s`` is lost and the job fails:
+every waiting Pull, later Push and Heartbeat answer carries the reason. A
+worker that leaves normally says how many steps it pushed; a Pull for a
+version it can never complete then fails instead of waiting.
+
+Checkpoints (``checkpoint.py``) are taken on the apply thread when the last
+partition reaches a version, and restored at the first Register: the one of
+the workers' ``resume_step`` when they resume from their own backup, else the
+newest.
 """
 
 from __future__ import annotations
@@ -47,9 +63,11 @@ import itertools
 import json
 import logging
 import math
+import os
 import queue
 import threading
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
 import grpc
 import keras
@@ -57,6 +75,7 @@ import numpy as np
 import tensorflow as tf
 
 from prophet_tf import codec
+from prophet_tf.ps import checkpoint as checkpoint_lib
 from prophet_tf.ps import sharding
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -149,11 +168,24 @@ class ParameterServerServicer:
         max_chunk_bytes: largest partition this PS accepts (bounded by the
             message size limit); a variable with a bigger single row is
             rejected at Register.
+        worker_timeout_s: a worker silent for this long after a Heartbeat is
+            lost: the job fails (see ``failure``). Watching starts with a
+            worker's first Heartbeat, so a client that never sends one (a
+            tool, a test) is not watched.
+        startup_timeout_s: once any worker has sent a Heartbeat, every other
+            one must send its first within this long, or the job fails.
+        checkpoint: save checkpoints by this policy, and restore the newest
+            (or the one the workers resume from) at the first Register.
+        on_failure: called once, on another thread, with the message when the
+            job fails (a lost worker, a model conflict).
     """
 
     def __init__(self, num_workers: int, ps_index: int = 0, num_ps: int = 1,
                  max_partition_bytes: int = sharding.DEFAULT_MAX_PARTITION_BYTES,
-                 max_chunk_bytes: int | None = None):
+                 max_chunk_bytes: int | None = None, worker_timeout_s: float = 10.0,
+                 startup_timeout_s: float = 300.0,
+                 checkpoint: checkpoint_lib.CheckpointPolicy | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1. Received: num_workers={num_workers}")
         if not 0 <= ps_index < num_ps:
@@ -162,17 +194,43 @@ class ParameterServerServicer:
         if max_partition_bytes < 1:
             raise ValueError("max_partition_bytes must be >= 1. "
                              f"Received: max_partition_bytes={max_partition_bytes}")
+        if not worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0. Received: {worker_timeout_s!r}")
         self.num_workers = num_workers
         self.ps_index = ps_index
+        self.worker_timeout_s = float(worker_timeout_s)
+        if not startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0. Received: {startup_timeout_s!r}")
+        self.startup_timeout_s = float(startup_timeout_s)
+        self._first_heartbeat: float | None = None
+        self._on_failure = on_failure
+        self._checkpointer = checkpoint_lib.Checkpointer(checkpoint) if checkpoint else None
         self.num_ps = num_ps
         self.max_partition_bytes = max_partition_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self._lock = threading.Lock()  # model definition, versions, sums
         self._apply_lock = threading.Lock()  # the optimizer and the variables
         self._model: _Model | None = None
-        # Set when a worker declared another model: the job can never make
-        # progress, so every waiting and later Pull/Push fails with it.
-        self._conflict: str | None = None
+        # Set when the job can never make progress (a worker declared another
+        # model, a worker was lost): every waiting and later Pull/Push and
+        # every Heartbeat answer carries it.
+        self._failure: str | None = None
+        # Liveness: worker -> monotonic time of its last Heartbeat; workers
+        # that left normally -> the number of steps they pushed.
+        self._last_seen: dict[int, float] = {}
+        self._steps_pushed: dict[int, int] = {}
+        self._left: dict[int, int] = {}
+        # The first Register's resume_step (all must send the same) and the
+        # version the job starts from (a restored checkpoint's, or that step).
+        self._requested_resume: int | None = None
+        self._start_version = 0
+        # version -> how many partitions reached it (a version is complete,
+        # and may be checkpointed, when all have).
+        self._at_version: dict[int, int] = {}
+        self._stopping = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch_workers, daemon=True,
+                                          name=f"prophet-tf-ps{ps_index}-watchdog")
+        self._watchdog.start()
         # step -> the learning rate the workers trained that step with (set
         # by callbacks on the workers; absent: the optimizer's own).
         self._learning_rates: dict[int, float] = {}
@@ -191,6 +249,9 @@ class ParameterServerServicer:
 
     def Push(self, request, context):
         return self._answer(self._push, "Push", request, context)
+
+    def Heartbeat(self, request, context):
+        return self._answer(self._heartbeat, "Heartbeat", request, context)
 
     @staticmethod
     def _answer(handler, rpc: str, request, context):
@@ -219,6 +280,8 @@ class ParameterServerServicer:
     # -------------------------------------------------------------- Register
 
     def _register(self, request):
+        if getattr(request, "malformed", None):  # bytes that did not parse (server.py)
+            raise _invalid(f"The request is not a RegisterRequest. Received: {request.malformed}")
         W = self.num_workers
         if request.num_workers != W:
             raise _invalid(f"This PS runs with num_workers={W}. "
@@ -230,22 +293,34 @@ class ParameterServerServicer:
             raise _invalid("Only worker 0 sends initial values. "
                            f"Received: {len(request.initial_values)} initial values "
                            f"from worker_id={request.worker_id}")
-        _check_keys(request.variables)
+        self._check_declaration(request)
+        if request.resume_step < 0:
+            raise _invalid(f"resume_step must be >= 0. Received: resume_step={request.resume_step}")
         with self._lock:
             model = self._model
             if model is None:
                 model = self._define_model(request)  # validates; installs nothing yet
+                snapshot = self._choose_checkpoint(model, request.resume_step)
             else:
                 try:
                     self._check_same_model(model, request)
                 except RpcError as e:
-                    self._conflict = f"worker {request.worker_id} declared another model: {e.message}"
-                    for part in self._parts.values():
-                        part.cond.notify_all()
+                    self._failure = f"worker {request.worker_id} declared another model: {e.message}"
+                    self._notify_all_locked()
                     raise
+                self._check_same_resume(request)
             initial = self._check_initial_values(model, request.initial_values)
             if self._model is None:
                 self._install_model(model)
+                self._requested_resume = self._start_version = request.resume_step
+                if snapshot is not None:
+                    self._restore(snapshot)
+                elif request.resume_step:
+                    logger.warning("The workers resume at step %d and this PS has no "
+                                   "checkpoint of it: worker 0's values become version %d; "
+                                   "the optimizer's state starts afresh.",
+                                   request.resume_step, request.resume_step)
+            self._left.pop(request.worker_id, None)
         # Values are assigned outside the state lock (pulls and pushes of other
         # partitions go on); a partition that already has one keeps it, so a
         # retried Register is harmless.
@@ -254,33 +329,88 @@ class ParameterServerServicer:
                 if part.version >= 0:  # only changes under the apply lock before 0
                     continue
                 part.variable.assign(array.reshape(part.shape))
-                encoded = encode_parameter_chunk(part.plan.key, part.plan.partition, 0,
+                # A fresh PS takes the workers' step: they may resume from
+                # their own backup (BackupAndRestore) without a PS checkpoint.
+                version = self._start_version
+                encoded = encode_parameter_chunk(part.plan.key, part.plan.partition, version,
                                                  part.spec.dtype, self._read(part))
                 with self._lock:
-                    part.encoded, part.version = encoded, 0
+                    part.encoded, part.version = encoded, version
+                    self._count_version_locked(version)
                     part.cond.notify_all()
         with self._lock:
             parts = list(self._parts.values())
-            version = min((max(p.version, 0) for p in parts), default=0)
+            version = self._start_version
         return ps_pb2.RegisterResponse(ps_index=self.ps_index, num_ps=self.num_ps,
                                        partitions=[p.plan.to_proto() for p in parts],
                                        version=version)
 
-    def _define_model(self, request) -> _Model:
-        specs = sorted(request.variables, key=lambda s: s.key)
-        for s in specs:
-            if s.dtype not in codec.SUPPORTED_DTYPES:
-                raise _invalid(f"Variable {s.key} ({s.name!r}) has an unsupported dtype; "
-                               f"expected one of {list(codec.SUPPORTED_DTYPES)}. "
-                               f"Received: dtype={s.dtype!r}")
-            if any(d < 0 for d in s.shape):
-                raise _invalid(f"Variable {s.key} ({s.name!r}) has a negative dimension. "
-                               f"Received: shape={list(s.shape)}")
+    def _check_declaration(self, request) -> None:
+        """Rejects a declaration that is malformed on its own.
+
+        Runs before the declaration defines the model or is compared with it,
+        so garbage never counts as "another model" (which fails the job), and
+        before anything is planned or allocated: the number of partitions and
+        the bytes are computed from the shapes first.
+        """
+        variables = request.variables
+        if len(variables) > _MAX_PARTITIONS:
+            raise _invalid(f"Register declares more variables than a PS accepts "
+                           f"({_MAX_PARTITIONS}). Received: {len(variables)} variables")
+        _check_keys(variables)
         if request.max_partition_bytes < 0:
             raise _invalid("max_partition_bytes must be >= 0 (0: the PS's setting). "
                            f"Received: max_partition_bytes={request.max_partition_bytes}")
         limit = request.max_partition_bytes or self.max_partition_bytes
+        total_bytes = total_partitions = 0
+        for s in variables:
+            what = f"Variable {s.key} ({_short(s.name)})"
+            if len(s.name) > _MAX_NAME_CHARS:
+                raise _invalid(f"{what} has a name of more than {_MAX_NAME_CHARS} characters. "
+                               f"Received: {len(s.name)} characters")
+            if s.dtype not in codec.SUPPORTED_DTYPES:
+                raise _invalid(f"{what} has an unsupported dtype; expected one of "
+                               f"{list(codec.SUPPORTED_DTYPES)}. Received: dtype={_short(s.dtype)}")
+            if len(s.shape) > _MAX_RANK:
+                raise _invalid(f"{what} has more than {_MAX_RANK} dimensions. "
+                               f"Received: {len(s.shape)} dimensions")
+            if any(d < 0 for d in s.shape):
+                raise _invalid(f"{what} has a negative dimension. "
+                               f"Received: shape={_short(list(s.shape))}")
+            # numpy and TF need the product of the dimensions (zeros aside) in
+            # an int64 even for an empty array.
+            itemsize = codec.to_numpy_dtype(s.dtype).itemsize
+            if itemsize * math.prod(max(d, 1) for d in s.shape) >= 2**63:
+                raise _invalid(f"{what} has dimensions whose product overflows int64. "
+                               f"Received: shape={_short(list(s.shape))}, dtype={s.dtype}")
+            nbytes, pieces = _size_and_partitions(s, limit)
+            total_bytes += nbytes
+            total_partitions += pieces
+            if total_partitions > _MAX_PARTITIONS:
+                raise _invalid(
+                    f"The model would be cut into more than {_MAX_PARTITIONS} partitions "
+                    f"(at {what}: {pieces} of at most max_partition_bytes={limit}). Received: "
+                    f"shape={_short(list(s.shape))}, dtype={s.dtype}")
+        memory = _memory_bytes()
+        if memory is not None and total_bytes > self.num_ps * memory:
+            largest = max(variables, key=lambda s: _size_and_partitions(s, limit)[0])
+            raise _invalid(
+                f"The model has {total_bytes} bytes of parameters, more than {self.num_ps} PS "
+                f"task(s) with this machine's memory ({memory} bytes) could hold. Received: "
+                f"largest variable {largest.key} ({_short(largest.name)}) of "
+                f"shape={_short(list(largest.shape))}, dtype={largest.dtype}")
+        self._parse_optimizer_config(request.optimizer_config)
+
+    def _define_model(self, request) -> _Model:
+        specs = sorted(request.variables, key=lambda s: s.key)  # checked by _check_declaration
+        limit = request.max_partition_bytes or self.max_partition_bytes
         partitions = sharding.plan(specs, self.num_ps, limit)
+        owned = sum(p.nbytes for p in partitions if p.ps_index == self.ps_index)
+        memory = _memory_bytes()
+        if memory is not None and owned > memory:
+            raise _invalid(f"This PS's partitions would take {owned} bytes, more than this "
+                           f"machine's memory ({memory} bytes). Received: {len(specs)} "
+                           f"variables of {sum(p.nbytes for p in partitions)} bytes")
         if self.max_chunk_bytes is not None:
             for p in partitions:
                 if p.nbytes > self.max_chunk_bytes:
@@ -296,11 +426,19 @@ class ParameterServerServicer:
         return model
 
     def _parse_optimizer_config(self, text):
+        if len(text) > _MAX_OPTIMIZER_CONFIG_CHARS:
+            raise _invalid(f"optimizer_config is longer than {_MAX_OPTIMIZER_CONFIG_CHARS} "
+                           f"characters. Received: {len(text)} characters")
         try:
             config = json.loads(text)
             if not isinstance(config, dict) or "class_name" not in config:
                 raise ValueError("not a keras.optimizers.serialize() dict")
-        except ValueError as e:
+            if not isinstance(config.get("config", {}), dict):
+                raise ValueError('its "config" is not a dict')
+            exempt = config.get(NO_WEIGHT_DECAY_KEY) or []
+            if not (isinstance(exempt, list) and all(type(k) is int for k in exempt)):
+                raise ValueError(f"{NO_WEIGHT_DECAY_KEY} is not a list of variable keys")
+        except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
             raise _invalid("optimizer_config must be the JSON of "
                            f"keras.optimizers.serialize(optimizer) ({e}). "
                            f"Received: optimizer_config={text[:200]!r}") from None
@@ -381,8 +519,9 @@ class ParameterServerServicer:
             if (s.name, list(s.shape), s.dtype) != (e.name, list(e.shape), e.dtype):
                 raise _invalid(
                     f"Variable {s.key} differs from the first declaration: expected "
-                    f"name={e.name!r}, shape={list(e.shape)}, dtype={e.dtype}. Received: "
-                    f"name={s.name!r}, shape={list(s.shape)}, dtype={s.dtype}")
+                    f"name={_short(e.name)}, shape={_short(list(e.shape))}, dtype={e.dtype}. "
+                    f"Received: name={_short(s.name)}, shape={_short(list(s.shape))}, "
+                    f"dtype={s.dtype}")
         config = _comparable(self._parse_optimizer_config(request.optimizer_config))
         if config != model.optimizer_config:
             raise _invalid(
@@ -426,25 +565,28 @@ class ParameterServerServicer:
     def _check_chunk_bytes(self, part, chunk, what):
         if chunk.dtype != part.spec.dtype:
             raise _invalid(f"Wrong dtype in the {what} of {part.name}: expected "
-                           f"{part.spec.dtype}. Received: dtype={chunk.dtype!r}")
-        size = len(chunk.data)
-        if size != part.plan.nbytes:
+                           f"{part.spec.dtype}. Received: dtype={_short(chunk.dtype)}")
+        data = chunk.data  # once: protobuf's messages copy the bytes at every access
+        if len(data) != part.plan.nbytes:
             raise _invalid(f"Wrong byte size in the {what} of {part.name}: expected "
                            f"{part.plan.nbytes} bytes (rows {part.plan.row_begin}:"
                            f"{part.plan.row_end} of shape {list(part.spec.shape)}). "
-                           f"Received: {size} bytes")
-        return codec.from_bytes(chunk.data, part.dtype)
+                           f"Received: {len(data)} bytes")
+        return codec.from_bytes(data, part.dtype)
 
     # ------------------------------------------------------------------ Push
 
     def _push(self, request):
         if getattr(request, "malformed", None):
             raise _invalid(f"The request is not a PushRequest. Received: {request.malformed}")
-        if self._conflict:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._conflict)
+        if self._failure:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._failure)
         W, wid = self.num_workers, request.worker_id
         if not 0 <= wid < W:
             raise _invalid(f"worker_id must be in [0, {W}). Received: worker_id={wid}")
+        if not request.chunks:
+            raise _invalid("A push carries at least one gradient chunk. "
+                           f"Received: 0 chunks from worker_id={wid}")
         completed, duplicates = [], 0
         with self._lock:
             if self._model is None:
@@ -474,6 +616,13 @@ class ParameterServerServicer:
                     raise _precondition(f"Gradient of {part.name} is too far ahead: the "
                                         f"partition is at version {v}, accepting step {v}. "
                                         f"Received: step={step}")
+                if not _all_finite(array):
+                    # Summed in, one NaN would poison the parameters for good.
+                    raise _invalid(f"Gradient of {part.name} at step {step} has "
+                                   f"{_non_finite_count(array)} NaN or "
+                                   f"Inf values (of {array.size}); the whole push is rejected "
+                                   f"and nothing of it was summed. Received: worker_id={wid}, "
+                                   f"step={step}")
                 seen.add((c.key, c.partition))
                 accepted.append((part, step, None if duplicate else array))
             learning_rate = _learning_rate_of(request)
@@ -536,7 +685,12 @@ class ParameterServerServicer:
             with self._lock:
                 part.encoded, part.version = encoded, step + 1
                 part.arrived = set()
+                complete = self._count_version_locked(step + 1)
                 part.cond.notify_all()
+            if complete and self._checkpointer and self._checkpointer.due(step + 1):
+                # Still on the apply thread: no partition moves past step + 1
+                # until the snapshot is read.
+                self._save_checkpoint(step + 1)
 
     def _apply(self, part, step, total):
         with self._lock:
@@ -577,6 +731,8 @@ class ParameterServerServicer:
     # ------------------------------------------------------------------ Pull
 
     def _pull_targets(self, request):
+        if getattr(request, "malformed", None):  # bytes that did not parse (server.py)
+            raise _invalid(f"The request is not a PullRequest. Received: {request.malformed}")
         if not 0 <= request.worker_id < self.num_workers:
             raise _invalid(f"worker_id must be in [0, {self.num_workers}). "
                            f"Received: worker_id={request.worker_id}")
@@ -586,6 +742,9 @@ class ParameterServerServicer:
             if self._model is None:
                 raise _precondition("No model is registered on this PS yet; call Register "
                                     f"first. Received: Pull from worker_id={request.worker_id}")
+            if len(request.items) > len(self._parts):
+                raise _invalid(f"A pull names at most the {len(self._parts)} partitions this PS "
+                               f"owns. Received: {len(request.items)} items")
             parts = []
             for item in request.items:
                 part = self._parts.get((item.key, item.partition))
@@ -597,10 +756,17 @@ class ParameterServerServicer:
     def _wait_version(self, part, min_version, context):
         with self._lock:
             while part.version < min_version:
-                if self._conflict:
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._conflict)
+                if self._failure:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._failure)
                 if part.failed:
                     raise RpcError(grpc.StatusCode.INTERNAL, part.failed)
+                gone = self._departed_before(min_version)
+                if gone is not None:
+                    wid, steps = gone
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"Version {min_version} of {part.name} can never be "
+                                   f"complete: worker {wid} left the job after pushing "
+                                   f"{steps} steps. Received: min_version={min_version}")
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -613,14 +779,191 @@ class ParameterServerServicer:
                                else min(remaining, _PULL_POLL_SECONDS))
             return part.encoded
 
+    # ------------------------------------------------------------- liveness
+
+    def _heartbeat(self, request):
+        wid = request.worker_id
+        if not 0 <= wid < self.num_workers:
+            raise _invalid(f"worker_id must be in [0, {self.num_workers}). Received: worker_id={wid}")
+        if request.steps_pushed < 0:
+            raise _invalid(f"steps_pushed must be >= 0. Received: steps_pushed={request.steps_pushed}")
+        with self._lock:
+            if self._failure:
+                return ps_pb2.HeartbeatResponse(failure=self._failure)
+            if self._first_heartbeat is None:
+                self._first_heartbeat = time.monotonic()
+            self._steps_pushed[wid] = request.steps_pushed
+            if request.leaving:
+                logger.info("Worker %d left after pushing %d steps", wid, request.steps_pushed)
+                self._left[wid] = request.steps_pushed
+                self._last_seen.pop(wid, None)
+                self._notify_all_locked()  # pulls that now can never complete fail
+            else:
+                self._last_seen[wid] = time.monotonic()
+                self._left.pop(wid, None)
+        return ps_pb2.HeartbeatResponse()
+
+    def _watch_workers(self):
+        """Fails the job when a registered worker stops sending heartbeats."""
+        period = min(1.0, self.worker_timeout_s / 4)
+        while not self._stopping.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                if self._failure:
+                    continue
+                for wid, seen in sorted(self._last_seen.items()):
+                    if now - seen > self.worker_timeout_s:
+                        self._fail_job_locked(
+                            f"Worker {wid} was lost: no heartbeat for {now - seen:.1f} s "
+                            f"(limit {self.worker_timeout_s:g} s; it had pushed "
+                            f"{self._steps_pushed.get(wid, 0)} steps). The job cannot go on.")
+                        break
+                else:
+                    first = self._first_heartbeat
+                    if first is not None and now - first > self.startup_timeout_s:
+                        missing = [w for w in range(self.num_workers)
+                                   if w not in self._last_seen and w not in self._left
+                                   and w not in self._steps_pushed]
+                        if missing:
+                            self._fail_job_locked(
+                                f"Worker {missing[0]} never connected: no heartbeat "
+                                f"{now - first:.0f} s after the first worker's (limit "
+                                f"{self.startup_timeout_s:g} s). The job cannot go on.")
+
+    def _fail_job_locked(self, message: str) -> None:
+        self._failure = message
+        logger.error("%s", message)
+        self._notify_all_locked()
+        if self._on_failure is not None:
+            threading.Thread(target=self._on_failure, args=(message,), daemon=True,
+                             name="prophet-tf-ps-on-failure").start()
+
+    def _notify_all_locked(self) -> None:
+        for part in self._parts.values():
+            part.cond.notify_all()
+
+    def _departed_before(self, min_version: int) -> tuple[int, int] | None:
+        """A worker that left before pushing step ``min_version - 1``, if any."""
+        for wid, steps in sorted(self._left.items()):
+            if steps < min_version:
+                return wid, steps
+        return None
+
+    # ----------------------------------------------------------- checkpoints
+
+    def _check_same_resume(self, request) -> None:
+        if request.resume_step != self._requested_resume:
+            raise _invalid(f"The first worker resumed from step {self._requested_resume}; every "
+                           "worker must resume from the same step (restore the same backup). "
+                           f"Received: resume_step={request.resume_step} from worker "
+                           f"{request.worker_id}")
+
+    def _signature(self, model) -> dict:
+        return checkpoint_lib.model_signature(model.specs, model.partitions,
+                                              type(model.optimizer).__name__,
+                                              self.ps_index, self.num_ps)
+
+    def _choose_checkpoint(self, model, resume_step: int):
+        """The checkpoint to restore at the first Register, or None.
+
+        Workers that resume from their own backup (``resume_step`` > 0) get
+        the checkpoint of that very step, so both sides continue from the
+        same point; workers starting afresh get the newest one.
+        """
+        if self._checkpointer is None:
+            return None
+        steps = self._checkpointer.steps()
+        if not steps:
+            return None
+        if resume_step:
+            if resume_step not in steps:
+                logger.warning("No checkpoint of step %d (the workers' resume step) in %s; "
+                               "have %s", resume_step, self._checkpointer.policy.directory, steps)
+                return None
+            step = resume_step
+        else:
+            step = steps[-1]
+        try:
+            snapshot = self._checkpointer.load(step)
+        except ValueError as e:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        difference = checkpoint_lib.signature_difference(snapshot.signature,
+                                                         self._signature(model))
+        if difference:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"The checkpoint of step {step} in "
+                           f"{self._checkpointer.policy.directory} is of another model or "
+                           f"cluster ({difference}). Use another --checkpoint-dir or remove "
+                           f"it. Received: the model of worker 0")
+        optimizer_vars = self._model_optimizer_variables(model)
+        shapes = [tuple(v.shape) for v in optimizer_vars]
+        if ([tuple(a.shape) for a in snapshot.optimizer_values] != shapes
+                or len(snapshot.params) != len(model.parts)):
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"The checkpoint of step {step} does not fit the optimizer "
+                           f"{type(model.optimizer).__name__}'s variables")
+        return snapshot
+
+    @staticmethod
+    def _model_optimizer_variables(model):
+        return list(model.optimizer.variables)
+
+    def _restore(self, snapshot) -> None:
+        """Installs ``snapshot``; called under the state lock right after the
+        model is installed, when no push can have arrived and nothing applies
+        (so the apply lock is not needed, and would invert the lock order)."""
+        for (key, partition), part in self._parts.items():
+            part.variable.assign(snapshot.params[key, partition].reshape(part.shape))
+        for variable, value in zip(self._model_optimizer_variables(self._model),
+                                   snapshot.optimizer_values):
+            variable.assign(value)
+        for part in self._parts.values():
+            part.encoded = encode_parameter_chunk(part.plan.key, part.plan.partition,
+                                                  snapshot.step, part.spec.dtype,
+                                                  self._read(part))
+            part.version = snapshot.step
+        self._start_version = snapshot.step
+        self._at_version = {snapshot.step: len(self._parts)}
+        logger.info("Restored the checkpoint of step %d from %s", snapshot.step,
+                    self._checkpointer.policy.directory)
+
+    def _count_version_locked(self, version: int) -> bool:
+        """Counts a partition reaching ``version``; True when all have."""
+        count = self._at_version.get(version, 0) + 1
+        self._at_version[version] = count
+        self._at_version.pop(version - 1, None)
+        return count == len(self._parts)
+
+    def _save_checkpoint(self, step: int) -> None:
+        with self._apply_lock:
+            params = {k: self._read(part).copy() for k, part in self._parts.items()}
+            variables = self._model_optimizer_variables(self._model)
+            names = [v.path for v in variables]
+            values = [np.array(v.numpy(), copy=True) for v in variables]
+        try:
+            self._checkpointer.save(checkpoint_lib.Snapshot(
+                step, self._signature(self._model), params, names, values))
+        except RuntimeError as e:
+            with self._lock:
+                self._fail_job_locked(str(e))
+
     # ------------------------------------------------------------- lifecycle
 
     def close(self):
-        """Stops the apply thread after the queued updates."""
+        """Stops the apply thread after the queued updates, then writes checkpoints."""
         if not self._closed:
             self._closed = True
+            self._stopping.set()
             self._applies.put((math.inf, 0, 0, 0, next(self._seq), None, None))
             self._apply_thread.join()
+            if self._checkpointer:
+                self._checkpointer.close()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the job can no longer make progress, or None."""
+        with self._lock:
+            return self._failure
 
     # Introspection (tests, checkpoints).
     def version(self, key: int, partition: int = 0) -> int:
@@ -645,7 +988,67 @@ def _check_keys(variables):
         raise _invalid("Register declares no variables. Received: variables=[]")
     if keys != list(range(len(keys))):
         raise _invalid("Variable keys must be 0..n-1, each once. "
-                       f"Received: keys={[s.key for s in variables]}")
+                       f"Received: keys={_short([s.key for s in variables])}")
+
+
+# Bounds on one declaration, checked before anything is planned or allocated.
+_MAX_PARTITIONS = 1 << 16  # per model; also bounds the variables (>= 1 partition each)
+_MAX_NAME_CHARS = 1024
+_MAX_RANK = 254  # TensorFlow's own limit
+_MAX_OPTIMIZER_CONFIG_CHARS = 1 << 20
+_MAX_ECHO_CHARS = 200  # of a received value quoted in an error message
+
+# Exponent bits of NaN/Inf in the 2-byte float types: testing them on a uint16
+# view is ~10x faster than np.isfinite, which has no vector loop for these.
+_NON_FINITE_BITS = {codec.to_numpy_dtype("float16"): np.uint16(0x7C00),
+                    codec.to_numpy_dtype("bfloat16"): np.uint16(0x7F80)}
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """Whether ``array`` holds no NaN or Inf.
+
+    ``np.isfinite(a).all()`` for float32/float64: ~30 us per MB here, faster
+    than ``np.isfinite(a.sum())`` (~50 us per MB), which would also need a
+    fallback when finite values overflow the sum.
+    """
+    mask = _NON_FINITE_BITS.get(array.dtype)
+    if mask is None:
+        return bool(np.isfinite(array).all())
+    return not np.any((array.view(np.uint16) & mask) == mask)
+
+
+def _non_finite_count(array: np.ndarray) -> int:
+    mask = _NON_FINITE_BITS.get(array.dtype)
+    if mask is None:
+        return array.size - int(np.count_nonzero(np.isfinite(array)))
+    return int(np.count_nonzero((array.view(np.uint16) & mask) == mask))
+
+
+def _short(value) -> str:
+    """``repr(value)``, cut to a length that fits an error message."""
+    text = repr(value)
+    if len(text) <= _MAX_ECHO_CHARS:
+        return text
+    return f"{text[:_MAX_ECHO_CHARS]}... ({len(text)} characters)"
+
+
+def _size_and_partitions(spec, max_partition_bytes: int) -> tuple[int, int]:
+    """(bytes, partitions) of a checked spec, as ``sharding.plan`` would cut it."""
+    shape = [int(d) for d in spec.shape]
+    rows = shape[0] if shape else 1
+    row_bytes = codec.to_numpy_dtype(spec.dtype).itemsize * math.prod(shape[1:])
+    if not rows:
+        return 0, 1
+    rows_per_part = max(1, max_partition_bytes // row_bytes) if row_bytes else rows
+    return rows * row_bytes, -(-rows // rows_per_part)
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory, or None when the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _comparable(config):

@@ -27,6 +27,9 @@ $(STAMP): $(VENV)/bin/python pyproject.toml setup.py
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(BUILD_DEPS)
 	$(PIP) install -q --no-build-isolation -e ".[test,examples]"
+	# Keras 2 for the tf_keras tests and the tf-mwms baseline; --no-deps keeps
+	# tensorflow-cpu (tf_keras asks for the `tensorflow` distribution).
+	$(PIP) install -q --no-deps "tf_keras>=2.21,<2.22"
 	touch $@
 
 # Rebuild the op library and the generated gRPC code when their sources change.

@@ -1,18 +1,23 @@
-"""prophet_tf.Strategy: Keras 3 `fit` on many workers through the parameter server.
+"""prophet_tf.Strategy: Keras `fit` on many workers through the parameter server.
 
 The strategy is a `OneDeviceStrategy` on each worker's CPU whose hooks route
 the model through the parameter server (see docs in README "How it works"):
 
 - `_create_variable`: every trainable float variable becomes a `PSVariable`
   whose reads wait (per key) for the version of the current step.
-- `_batch_reduce_to`: Keras hands over all gradients at once (before its
-  IdentityN); they are kept, unreduced, so that each push can start as soon as
-  its own gradient exists.
+- `_batch_reduce_to`: Keras hands over all gradients at once (Keras 3 before
+  its IdentityN; tf_keras through the replica context's all_reduce); they are
+  kept, unreduced, so that each push can start as soon as its own gradient
+  exists.
 - `_update`: for each (variable, gradient) Keras would apply, a `PushGrad` op
   hands the gradient to the engine; the PS sums the workers' gradients and
   applies the optimizer, so nothing is applied locally.
 - `_num_replicas_in_sync` is the number of workers, so Keras divides each
   worker's loss by it and the PS's sum is the global-batch mean gradient.
+
+Keras 3 and tf_keras (Keras 2: `import tf_keras`, or `tf.keras` under
+TF_USE_LEGACY_KERAS=1) go through the same hooks; a tf_keras optimizer is
+described to the PS as its Keras 3 equivalent (`prophet_tf._keras_compat`).
 
 TF-private imports stay in this module.
 """
@@ -28,6 +33,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.ops import control_flow_util
 
+from prophet_tf import _keras_compat
 from prophet_tf import _native
 from prophet_tf import cluster as cluster_lib
 from prophet_tf.variables import PSVariable
@@ -154,10 +160,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
     # -- gradients -------------------------------------------------------------------------
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-            raise ValueError("prophet_tf's ops have no XLA kernels: compile the model with "
-                             "jit_compile=False (the default under a tf.distribute strategy). "
-                             "Received: jit_compile=True")
+        _reject_xla()  # Keras 3 compiles the whole step function.
         if tf.executing_eagerly() and not self._eager_warned:
             self._eager_warned = True
             warnings.warn("run_eagerly=True under prophet_tf.Strategy runs every op in order: "
@@ -167,6 +170,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         return super()._call_for_each_replica(fn, args, kwargs)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        _reject_xla()  # tf_keras compiles only the replica function: fail before registering.
         # The gradients, before Keras joins them in one IdentityN: each push
         # below depends on its own gradient only, so pushes overlap backprop.
         values = [value for value, _ in value_destination_pairs]
@@ -180,6 +184,12 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
     def _update(self, var, fn, args, kwargs, group):
         if not args:  # Weight decay and friends: the PS applies the whole optimizer.
             return ()
+        if _keras_compat.is_autocast_variable(var):
+            raise ValueError(
+                "prophet_tf.Strategy does not support tf_keras mixed precision: its "
+                "LossScaleOptimizer skips steps on each worker on its own, which the PS "
+                "cannot follow. Use the float32 dtype policy. Received: variable "
+                f"{var.name!r} of type {type(var).__name__}")
         if not isinstance(var, PSVariable):
             raise ValueError(
                 f"The variable {var.name!r} was created outside prophet_tf.Strategy.scope(). "
@@ -191,9 +201,13 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         grad = self._raw_grads[position]
         if isinstance(grad, tf.IndexedSlices):
             grad = tf.convert_to_tensor(grad)
-        if grad.shape != var.shape:
+        if not grad.shape.is_compatible_with(var.shape):
             raise RuntimeError(f"Gradient {position} has shape {grad.shape}, but the variable "
                                f"{var.name!r} it updates has shape {var.shape}.")
+        if not grad.shape.is_fully_defined():
+            # Inputs of unknown shape (a tf_keras Sequence) leave some dimensions
+            # of the gradient unknown while tracing; the value has the variable's.
+            grad = tf.ensure_shape(grad, var.shape)
         self._trained_this_trace.append(var)
         if len(self._trained_this_trace) == len(self._raw_grads):
             self._register(list(self._trained_this_trace), fn)
@@ -214,15 +228,34 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             return
         untrained = [v for v in self._ps_variables if all(v is not t for t in trained)]
         optimizer = _optimizer_of(update_fn)
+        traced = tf.inside_function()
         with tf.init_scope():
             config = optimizer_config(optimizer, trained)
-            self.engine.start(trained, config, _learning_rate_reader(optimizer))
+            # Steps the optimizer already counts: restored by BackupAndRestore
+            # (or load_weights), the PS continues from the same step.
+            resume_step = int(optimizer.iterations.numpy())
+            start = self.engine.start(trained, config, _learning_rate_reader(optimizer),
+                                      resume_step=resume_step)
+            if start:
+                if not traced:
+                    raise NotImplementedError(
+                        f"Resuming training at step {start} needs a compiled train step; "
+                        "compile the model with run_eagerly=False. Received: run_eagerly=True")
+                # Traced: nothing has run yet, so the first step reads version `start`.
+                self._step.assign(start)
             for variable in untrained:
                 # Frozen: its reads return the staged local value at any step.
                 _native.freeze_param(variable.ps_key)
             for variable in trained:
                 variable._ps_managed = True
         self._registered = trained
+
+
+def _reject_xla() -> None:
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError("prophet_tf's ops have no XLA kernels: compile the model with "
+                         "jit_compile=False (the default under a tf.distribute strategy). "
+                         "Received: jit_compile=True")
 
 
 def _is_plain_resource_variable(variable) -> bool:
@@ -232,27 +265,22 @@ def _is_plain_resource_variable(variable) -> bool:
 
 def _learning_rate_reader(optimizer):
     """Reads the optimizer's plain learning rate; None for a schedule (the PS runs it)."""
-    import keras
-    variable = optimizer._learning_rate
-    if isinstance(variable, keras.Variable):
-        return lambda: float(variable.numpy())
-    return None
+    return _keras_compat.learning_rate_reader(optimizer)
 
 
 def _optimizer_of(update_fn):
-    """The Keras optimizer whose update step `update_fn` is (a closure over it).
+    """The Keras 3 or tf_keras optimizer whose update step `update_fn` is (a closure over it).
 
     tf.distribute wraps the function (autograph), so closures are searched a
     few levels deep.
     """
-    import keras
     pending, seen = [update_fn], set()
     while pending:
         fn = pending.pop()
         if id(fn) in seen or len(seen) > 32:
             continue
         seen.add(id(fn))
-        if isinstance(fn, keras.optimizers.Optimizer):
+        if _keras_compat.is_optimizer(fn):
             return fn
         if getattr(fn, "__wrapped__", None) is not None:
             pending.append(fn.__wrapped__)

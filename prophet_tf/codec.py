@@ -124,6 +124,8 @@ def from_bytes(data, dtype, shape=None) -> np.ndarray:
 # --- protobuf wire format (https://protobuf.dev/programming-guides/encoding/) ---
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_WIRE_TYPES = {"varint": _VARINT, "i64": _I64, "len": _LEN, "i32": _I32}
+_UINT64_MASK = (1 << 64) - 1
 
 
 def _varint(value: int) -> bytes:
@@ -152,13 +154,15 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            return result, pos
+            # A 10th byte carries one bit of a 64-bit value; protobuf drops the rest.
+            return result & _UINT64_MASK, pos
         shift += 7
         if shift > 63:
             raise ValueError("Malformed protobuf varint (more than 10 bytes)")
 
 
-def parse_fields(data, repeated=()) -> dict[int, object]:
+def parse_fields(data, repeated=(), *, types: dict[int, str] | None = None,
+                 max_fields: int | None = None) -> dict[int, object]:
     """Decodes the top level of a protobuf message without copying bulk fields.
 
     Varint fields decode to ``int`` (int32/int64 two's complement is folded to
@@ -167,24 +171,44 @@ def parse_fields(data, repeated=()) -> dict[int, object]:
     a scalar field the last occurrence wins, as in protobuf; a field number in
     ``repeated`` collects a list.
 
+    Args:
+        data: the message bytes (bytes-like).
+        repeated: field numbers that collect every occurrence in a list.
+        types: field number -> the wire type it must have (``"varint"``,
+            ``"i64"``, ``"len"`` or ``"i32"``); another wire type is an error
+            instead of a value of the wrong Python type.
+        max_fields: the most fields (occurrences, any number) accepted; each
+            costs Python time and memory, so untrusted input must be capped
+            before a 64 MiB message of 2-byte fields builds millions of them.
+
     Raises:
-        ValueError: the bytes are not a well-formed protobuf message.
+        ValueError: the bytes are not a well-formed protobuf message, or break
+            ``types``/``max_fields``.
     """
     buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
     if buf.format != "B" or buf.ndim != 1:
         buf = buf.cast("B")
+    expected = {number: _WIRE_TYPES[name] for number, name in (types or {}).items()}
     fields: dict[int, object] = {number: [] for number in repeated}
-    pos, end = 0, len(buf)
+    pos, end, count = 0, len(buf), 0
     while pos < end:
+        count += 1
+        if max_fields is not None and count > max_fields:
+            raise ValueError(f"More than {max_fields} protobuf fields in one message")
         tag, pos = _read_varint(buf, pos)
         number, wire_type = tag >> 3, tag & 7
+        if not 0 < number < 1 << 29:  # protobuf's range; protobuf rejects others too
+            raise ValueError(f"Invalid protobuf field number {number}")
+        if number in expected and wire_type != expected[number]:
+            raise ValueError(f"Protobuf field {number} has wire type {wire_type}, "
+                             f"expected {expected[number]}")
         if wire_type == _VARINT:
             value, pos = _read_varint(buf, pos)
             if value >= 1 << 63:
                 value -= 1 << 64
         elif wire_type == _LEN:
             length, pos = _read_varint(buf, pos)
-            if pos + length > end:
+            if length > end - pos:
                 raise ValueError(
                     f"Truncated protobuf field {number}: needs {length} bytes, "
                     f"{end - pos} left")

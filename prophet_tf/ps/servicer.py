@@ -782,6 +782,8 @@ class ParameterServerServicer:
     # ------------------------------------------------------------- liveness
 
     def _heartbeat(self, request):
+        if getattr(request, "malformed", None):  # bytes that did not parse (server.py)
+            raise _invalid(f"The request is not a HeartbeatRequest. Received: {request.malformed}")
         wid = request.worker_id
         if not 0 <= wid < self.num_workers:
             raise _invalid(f"worker_id must be in [0, {self.num_workers}). Received: worker_id={wid}")
@@ -1025,11 +1027,13 @@ def _non_finite_count(array: np.ndarray) -> int:
 
 
 def _short(value) -> str:
-    """``repr(value)``, cut to a length that fits an error message."""
+    """``repr(value)``, cut to a length that fits an error message (a long
+    string or list is cut before its repr is built)."""
+    if isinstance(value, (str, list)) and len(value) > _MAX_ECHO_CHARS:
+        unit = "characters" if isinstance(value, str) else "items"
+        return f"{repr(value[:_MAX_ECHO_CHARS])[:_MAX_ECHO_CHARS]}... ({len(value)} {unit})"
     text = repr(value)
-    if len(text) <= _MAX_ECHO_CHARS:
-        return text
-    return f"{text[:_MAX_ECHO_CHARS]}... ({len(text)} characters)"
+    return text if len(text) <= _MAX_ECHO_CHARS else f"{text[:_MAX_ECHO_CHARS]}..."
 
 
 def _size_and_partitions(spec, max_partition_bytes: int) -> tuple[int, int]:

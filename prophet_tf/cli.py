@@ -3,6 +3,9 @@
     prophet-tf ps [...]        run a parameter-server task
     prophet-tf launch [...]    run a whole cluster on this machine
     prophet-tf doctor          check this machine and the cluster of TF_CONFIG
+    prophet-tf plot [...]      draw timelines or a bench result as an image
+    prophet-tf bench [...]     compare schedulers on an emulated cluster (netns + tc)
+    prophet-tf simulate [...]  discrete-event simulation of the schedulers
 """
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ _COMMANDS = {
     "ps": ("prophet_tf.ps.server", "run a parameter-server task (from TF_CONFIG or flags)"),
     "launch": ("prophet_tf.launch", "start PS tasks and worker processes on localhost"),
     "doctor": ("prophet_tf.doctor", "check versions, the op library and the PS tasks of TF_CONFIG"),
+    "plot": ("prophet_tf.plot", "draw timelines (Gantt chart per worker) or a bench result"),
+    "bench": ("prophet_tf.bench.runner", "compare schedulers on an emulated bandwidth-limited cluster"),
+    "simulate": ("prophet_tf.bench.simulate", "simulate the schedulers on a profiled model at any scale"),
 }
 
 

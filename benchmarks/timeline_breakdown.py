@@ -1,0 +1,67 @@
+"""Where a bench run's step time goes, read from the worker timelines.
+
+    python benchmarks/timeline_breakdown.py DIR [DIR ...]
+
+DIR is a run directory under ``prophet-tf bench --timeline-dir`` (it holds
+``worker-<i>.json``). For worker 0, for every measured step k (after the
+bench's 8 warm-up steps), times are taken from the first gradient of step k
+becoming ready: the end of backprop (last gradient ready), the end of the
+last push of step k, the first and last pulled partition of version k+1, and
+the moment the last parameter of step k+1's forward was there; then the
+median over the steps. Also the time the push link was busy while backprop
+ran (a scheduler that holds gradients back leaves it idle).
+"""
+import glob
+import json
+import os
+import statistics
+import sys
+
+WARMUP_STEPS = 8
+
+
+def breakdown(directory: str, worker: int = 0) -> dict:
+    with open(os.path.join(directory, f"worker-{worker}.json")) as f:
+        events = json.load(f)["traceEvents"]
+    by = {}
+    for e in events:
+        by.setdefault(e.get("cat"), []).append(e)
+    steps = sorted({e["args"]["step"] for e in by.get("backward", [])})
+    rows = []
+    for k in steps[WARMUP_STEPS:-1]:
+        ready = [e["ts"] for e in by["backward"] if e["args"]["step"] == k]
+        pushes = [(e["ts"], e["ts"] + e["dur"]) for e in by.get("push", [])
+                  if e["args"]["step"] == k]
+        pulls = [e["ts"] + e["dur"] for e in by.get("pull", []) if e["args"]["version"] == k + 1]
+        reads = [e["args"]["forward_start_us"] for e in by.get("forward", [])
+                 if e["args"]["step"] == k + 1]
+        if not (ready and pushes and pulls and reads):
+            continue
+        t0, t1 = min(ready), max(ready)
+        busy, last = 0.0, t0
+        for a, b in sorted(pushes):  # union of push intervals within backprop
+            a, b = max(a, last), min(b, t1)
+            if b > a:
+                busy += b - a
+                last = b
+        rows.append({"backward_ms": (t1 - t0) / 1e3,
+                     "last_push_end_ms": (max(b for _, b in pushes) - t0) / 1e3,
+                     "first_pull_ms": (min(pulls) - t0) / 1e3,
+                     "last_pull_ms": (max(pulls) - t0) / 1e3,
+                     "last_param_in_ms": (max(reads) - t0) / 1e3,
+                     "push_busy_in_backward": busy / max(t1 - t0, 1e-9)})
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
+
+
+def main(argv):
+    for pattern in argv:
+        for directory in sorted(glob.glob(pattern)):
+            b = breakdown(directory)
+            if b:
+                print(os.path.basename(directory.rstrip("/")) + ": " + ", ".join(
+                    f"{k} {v:.2f}" if k == "push_busy_in_backward" else f"{k} {v:.0f}"
+                    for k, v in b.items()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

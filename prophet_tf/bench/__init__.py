@@ -1,0 +1,13 @@
+"""Measuring the schedulers: an emulated cluster, the bench, the ideal bound, a simulator.
+
+- :mod:`prophet_tf.bench.netns`: hosts in network namespaces with tc-shaped links.
+- :mod:`prophet_tf.bench.runner`: ``prophet-tf bench``.
+- :mod:`prophet_tf.bench.worker`: the training process of one bench worker.
+- :mod:`prophet_tf.bench.models`: the bench models and per-variable compute profiles.
+- :mod:`prophet_tf.bench.ideal`: the ideal step time of a run.
+- :mod:`prophet_tf.bench.simulate`: ``prophet-tf simulate``, driving the engine's schedulers.
+- :mod:`prophet_tf.bench.shaping`: the transport's token bucket (fallback without namespaces).
+
+Nothing here is imported by ``prophet_tf`` itself; TensorFlow is imported
+only by the worker and the profiler.
+"""

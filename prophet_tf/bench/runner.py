@@ -1,0 +1,367 @@
+"""`prophet-tf bench`: schedulers side by side on an emulated bandwidth-limited cluster.
+
+    prophet-tf bench                      # the default configuration (below)
+    prophet-tf bench --model cnn --workers 2 --ps 1 --bandwidth-mbit 300 --steps 30 \\
+        --reps 5 --schedulers fifo,p3,bytescheduler,prophet,tf-mwms --json out.json
+
+Every PS task and worker runs in its own network namespace with a shaped
+link (``prophet_tf.bench.netns``); one network serves the whole invocation.
+Repetitions are interleaved (rep 1: every scheduler, rep 2: every scheduler,
+...) so that noise from the shared machine hits all of them alike. In the
+first ``--compute-reps`` reps, a ``compute`` run first profiles the model on
+every worker host at once with no communication (each worker on its share of
+the batch; ``models.profile_model``): its forward + backward time is the
+compute time C of the ideal bound, and the profile (per-variable compute
+under the same CPU sharing) goes into the JSON's config, for the ideal bound
+and for ``prophet-tf simulate --validate``.
+
+Per run: fresh PS tasks (``python -m prophet_tf ps``) and workers
+(``python -m prophet_tf.bench.worker``), which report every step's time. The
+first :data:`WARMUP_STEPS` steps are dropped for every scheduler alike
+(Prophet skips 2 and profiles 5 iterations, and plans when the 8th begins);
+the run's step time is the median over the remaining steps of the mean over
+workers. A scheduler's ``step_time_s`` is the median of its runs' step times
+(``step_time_s_all``).
+
+Without network namespaces (not root, no iproute2), the workers' transport
+shapes itself (``PROPHET_TF_SHAPE_MBIT``, a token bucket per PS connection
+and direction, see ``prophet_tf.bench.shaping``) on loopback: the output says
+so; PS links are then not shared between workers, and tf-mwms is not shaped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from prophet_tf.bench import ideal as ideal_lib
+from prophet_tf.bench import models, netns
+from prophet_tf.engine import schedulers as schedulers_lib
+
+__all__ = ["run_bench", "main", "DEFAULTS", "WARMUP_STEPS"]
+
+logger = logging.getLogger(__name__)
+
+WARMUP_STEPS = (schedulers_lib.ProphetScheduler.WARMUP_ITERATIONS
+                + schedulers_lib.ProphetScheduler.PROFILE_ITERATIONS + 1)
+ALL_SCHEDULERS = ("fifo", "p3", "bytescheduler", "prophet", "tf-mwms")
+#: The target configuration: the bench CNN, 2 workers, 1 PS, global batch 64,
+#: and the bandwidth at which FIFO's communication time is about its compute
+#: time (the PS link carries 2 x 4.47 MB each way per step).
+DEFAULTS = {"model": "cnn", "workers": 2, "ps": 1, "bandwidth_mbit": 200.0,
+            "latency_ms": 0.0, "steps": 30, "reps": 5, "global_batch": 64,
+            "schedulers": ",".join(ALL_SCHEDULERS)}
+PS_PORT, WORKER_PORT = 7070, 7071  # fixed: every host has its own namespace
+RUN_TIMEOUT_S = 900.0
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _Cluster:
+    """Where tasks run: namespaces of an EmulatedNetwork, or loopback."""
+
+    def __init__(self, network: netns.EmulatedNetwork | None, num_ps: int, workers: int):
+        self.network, self.num_ps, self.workers = network, num_ps, workers
+        self._ports: list[int] = []
+
+    def ps_address(self, i: int, port: int) -> str:
+        return f"{self.network.addresses[i]}:{PS_PORT}" if self.network else f"127.0.0.1:{port}"
+
+    def worker_address(self, j: int) -> str:
+        if self.network:
+            return f"{self.network.addresses[self.num_ps + j]}:{WORKER_PORT}"
+        return f"127.0.0.1:{_free_port()}"
+
+    def command(self, host: int, argv: list[str]) -> list[str]:
+        return self.network.command(host, argv) if self.network else argv
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+               TF_NUM_INTRAOP_THREADS=str(models.INTRA_OP_THREADS),
+               TF_NUM_INTEROP_THREADS=str(models.INTER_OP_THREADS))
+    env.pop("TF_CONFIG", None)
+    env.pop("PROPHET_TF_SCHEDULER", None)
+    env.update(extra or {})
+    return env
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: dict) -> dict:
+    """One training run; returns the workers' reports."""
+    tag = f"{scheduler}-{time.monotonic_ns()}"
+    logs, procs = [], []
+    try:
+        ps_addresses = []
+        framework = {"tf-mwms": "tf-mwms", "compute": "local"}.get(scheduler, "prophet")
+        if framework == "prophet":
+            for i in range(cluster.num_ps):
+                port_file = os.path.join(workdir, f"{tag}-ps{i}.port")
+                port = PS_PORT if cluster.network else 0
+                host = cluster.network.addresses[i] if cluster.network else "127.0.0.1"
+                argv = [sys.executable, "-m", "prophet_tf", "ps", "--host", host, "--port",
+                        str(port), "--num-workers", str(args.workers), "--ps-index", str(i),
+                        "--num-ps", str(cluster.num_ps), "--port-file", port_file]
+                log = open(os.path.join(workdir, f"{tag}-ps{i}.log"), "wb")
+                logs.append(log)
+                env = _env({"TF_NUM_INTEROP_THREADS": "1",
+                            "PROPHET_TF_TOKEN": shape_env["PROPHET_TF_TOKEN"]})
+                procs.append(subprocess.Popen(cluster.command(i, argv), stdout=log,
+                                              stderr=subprocess.STDOUT, env=env))
+                ps_addresses.append((port_file, i))
+            addresses = []
+            deadline = time.monotonic() + 120
+            for port_file, i in ps_addresses:
+                while not os.path.exists(port_file):
+                    if procs[i].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"PS {i} did not start; see "
+                                           f"{os.path.join(workdir, f'{tag}-ps{i}.log')}")
+                    time.sleep(0.05)
+                addresses.append(cluster.ps_address(i, int(open(port_file).read())))
+        else:
+            addresses = []
+        workers = [cluster.worker_address(j) for j in range(args.workers)]
+        spec = {"worker": workers}
+        if addresses:
+            spec["ps"] = addresses
+        outs, worker_procs = [], []
+        for j in range(args.workers):
+            out = os.path.join(workdir, f"{tag}-worker{j}.json")
+            outs.append(out)
+            extra = {"TF_CONFIG": json.dumps({"cluster": spec,
+                                              "task": {"type": "worker", "index": j}})}
+            if framework == "prophet":
+                extra["PROPHET_TF_SCHEDULER"] = scheduler
+                extra.update(shape_env)
+                if args.timeline_dir:
+                    extra["PROPHET_TF_TIMELINE"] = os.path.join(args.timeline_dir, tag)
+            argv = [sys.executable, "-m", "prophet_tf.bench.worker", "--framework", framework,
+                    "--model", args.model, "--steps", str(args.steps), "--global-batch",
+                    str(args.global_batch), "--out", out]
+            log = open(os.path.join(workdir, f"{tag}-worker{j}.log"), "wb")
+            logs.append(log)
+            p = subprocess.Popen(cluster.command(cluster.num_ps + j, argv), stdout=log,
+                                 stderr=subprocess.STDOUT, env=_env(extra))
+            procs.append(p)
+            worker_procs.append(p)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while any(p.poll() is None for p in worker_procs):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        bad = [(j, p.returncode) for j, p in enumerate(worker_procs) if p.returncode != 0]
+        if bad or any(p.poll() not in (None, 0) for p in procs):
+            j = bad[0][0] if bad else 0
+            path = os.path.join(workdir, f"{tag}-worker{j}.log")
+            tail = open(path, errors="replace").read()[-3000:]
+            raise RuntimeError(f"{scheduler} run failed (worker exit codes "
+                               f"{[p.poll() for p in worker_procs]}); worker {j} log {path}:\n"
+                               f"{tail}")
+        return {"reports": [json.load(open(o)) for o in outs]}
+    finally:
+        _stop(procs)
+        for log in logs:
+            log.close()
+
+
+def _run_step_time(reports: list[dict], warmup: int) -> float:
+    per_step = list(zip(*[r["step_times_s"] for r in reports]))
+    measured = [statistics.fmean(s) for s in per_step[warmup:]]
+    if not measured:
+        raise RuntimeError(f"--steps must exceed the {warmup} warm-up steps")
+    return statistics.median(measured)
+
+
+def run_bench(args, out=sys.stdout) -> dict:
+    """Runs the configuration of ``args`` (see :func:`_parse`); returns the JSON dict."""
+    names = [n.strip() for n in args.schedulers.split(",") if n.strip()]
+    for n in names:
+        if n != "tf-mwms":
+            schedulers_lib.validate_scheduler(n)
+    if args.steps <= WARMUP_STEPS:
+        raise ValueError(f"--steps must exceed the {WARMUP_STEPS} warm-up steps. "
+                         f"Received: --steps={args.steps}")
+    if args.global_batch % args.workers:
+        raise ValueError(f"--global-batch must be a multiple of --workers. Received: "
+                         f"--global-batch={args.global_batch}, --workers={args.workers}")
+    profile = models.load_profile(args.model)
+    network = None
+    shaping = "netns"
+    # The PS tasks listen on namespace addresses, not loopback: they need a
+    # shared token (prophet_tf.ps.security); a fresh one per invocation.
+    shape_env: dict = {"PROPHET_TF_TOKEN": secrets.token_hex(16)}
+    ok, why = netns.available(need_latency=args.latency_ms > 0)
+    if ok:
+        netns.cleanup_leftovers()  # of runs that were killed before their teardown
+    else:
+        shaping = "transport"
+        shape_env["PROPHET_TF_SHAPE_MBIT"] = str(args.bandwidth_mbit)
+        print(f"prophet-tf bench: network namespaces unavailable ({why}); shaping inside the "
+              f"transport instead (token bucket per worker connection, "
+              f"PROPHET_TF_SHAPE_MBIT={args.bandwidth_mbit}); PS links are not shared and "
+              f"tf-mwms is unshaped", file=out, flush=True)
+    runs = {n: [] for n in ["compute"] + names}
+    with tempfile.TemporaryDirectory(prefix="prophet-tf-bench-") as workdir:
+        if ok:
+            network = netns.EmulatedNetwork(args.ps + args.workers, args.bandwidth_mbit,
+                                            args.latency_ms)
+        try:
+            if network:
+                network.open()
+                print(f"prophet-tf bench: emulated network {network.run_id}: "
+                      f"{args.ps} PS + {args.workers} workers, {args.bandwidth_mbit:g} Mbit/s "
+                      f"per link each way, latency {args.latency_ms:g} ms", file=out, flush=True)
+            cluster = _Cluster(network, args.ps, args.workers)
+            compute_reps = min(args.reps, args.compute_reps)
+            for rep in range(args.reps):
+                order = (["compute"] if rep < compute_reps else []) + names
+                for name in order:
+                    t0 = time.monotonic()
+                    result = _run_once(cluster, name, args, workdir, shape_env)
+                    step = (statistics.fmean(r["profile"]["compute_s"] for r in result["reports"])
+                            if name == "compute" else
+                            _run_step_time(result["reports"], WARMUP_STEPS))
+                    runs[name].append({"step_time_s": step, "reports": result["reports"]})
+                    print(f"rep {rep + 1}/{args.reps} {name:>13}: step {step * 1e3:8.1f} ms "
+                          f"(run {time.monotonic() - t0:.0f} s)", file=out, flush=True)
+        finally:
+            if network:
+                network.close()
+    if runs["compute"]:
+        # The compute run nearest the median: its worker-0 profile (measured
+        # with every worker computing at once) is the one of this configuration.
+        compute_s = statistics.median(r["step_time_s"] for r in runs["compute"])
+        nearest = min(runs["compute"], key=lambda r: abs(r["step_time_s"] - compute_s))
+        profile = nearest["reports"][0]["profile"]
+        compute_s = profile["compute_s"]
+    else:
+        compute_s = profile["compute_s"]
+    bound = ideal_lib.ideal_step_time(profile, args.workers, args.ps, args.bandwidth_mbit,
+                                      args.latency_ms)
+    config = {"model": args.model, "workers": args.workers, "ps": args.ps,
+              "bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms,
+              "steps": args.steps, "warmup_steps": WARMUP_STEPS, "reps": args.reps,
+              "global_batch": args.global_batch, "schedulers": names, "shaping": shaping,
+              "num_params": profile["num_params"], "model_bytes": profile["trainable_bytes"],
+              "compute_s": compute_s, "compute_s_all": [r["step_time_s"] for r in runs["compute"]],
+              "ideal": bound, "threads": {"intra_op": models.INTRA_OP_THREADS,
+                                          "inter_op": models.INTER_OP_THREADS},
+              "profile": profile}
+    results = []
+    for name in names:
+        times = [r["step_time_s"] for r in runs[name]]
+        step = statistics.median(times)
+        results.append({"scheduler": name, "step_time_s": step, "step_time_s_all": times,
+                        "samples_per_s": args.global_batch / step,
+                        "ideal_step_time_s": bound["ideal_s"],
+                        "per_step_s": [[statistics.fmean(s) for s in zip(
+                            *[w["step_times_s"] for w in r["reports"]])] for r in runs[name]]})
+    return {"config": config, "results": results}
+
+
+def print_table(result: dict, out=sys.stdout) -> None:
+    c = result["config"]
+    print(f"\nmodel {c['model']} ({c['num_params']:,} parameters), {c['workers']} workers, "
+          f"{c['ps']} PS, {c['bandwidth_mbit']:g} Mbit/s, latency {c['latency_ms']:g} ms, "
+          f"global batch {c['global_batch']}, {c['steps']} steps ({c['warmup_steps']} warm-up), "
+          f"{c['reps']} reps, shaping: {c['shaping']}", file=out)
+    b = c["ideal"]
+    print(f"compute {c['compute_s'] * 1e3:.1f} ms; ideal {b['ideal_s'] * 1e3:.1f} ms = max("
+          f"compute {b['compute_s'] * 1e3:.1f}, busiest link {b['busiest_link_s'] * 1e3:.1f}, "
+          f"first layer {b['first_layer_s'] * 1e3:.1f})", file=out)
+    fifo = next((r["step_time_s"] for r in result["results"] if r["scheduler"] == "fifo"), None)
+    print(f"{'scheduler':>13} {'step ms':>9} {'min-max ms':>15} {'samples/s':>10} "
+          f"{'vs fifo':>8} {'vs ideal':>9}", file=out)
+    for r in result["results"]:
+        lo, hi = min(r["step_time_s_all"]), max(r["step_time_s_all"])
+        vs = f"{r['step_time_s'] / fifo:.2f}" if fifo else "-"
+        print(f"{r['scheduler']:>13} {r['step_time_s'] * 1e3:9.1f} "
+              f"{lo * 1e3:7.1f}-{hi * 1e3:<7.1f} {r['samples_per_s']:10.1f} {vs:>8} "
+              f"{r['step_time_s'] / r['ideal_step_time_s']:9.2f}", file=out)
+
+
+def _parse(argv):
+    d = DEFAULTS
+    parser = argparse.ArgumentParser(
+        prog="prophet-tf bench", description=__doc__.split("\n\n")[0],
+        epilog=f"Defaults (the target configuration): --model {d['model']} --workers "
+               f"{d['workers']} --ps {d['ps']} --bandwidth-mbit {d['bandwidth_mbit']:g} "
+               f"--steps {d['steps']} --reps {d['reps']} --global-batch {d['global_batch']} "
+               f"--schedulers {d['schedulers']}. The first {WARMUP_STEPS} steps of every run "
+               "are warm-up (Prophet's 2 skipped + 5 profiled iterations, and the "
+               "one that plans) and are left out for every scheduler.")
+    parser.add_argument("--model", default=d["model"], choices=models.MODELS)
+    parser.add_argument("--workers", type=int, default=d["workers"])
+    parser.add_argument("--ps", type=int, default=d["ps"])
+    parser.add_argument("--bandwidth-mbit", type=float, default=d["bandwidth_mbit"],
+                        help="each host link's bandwidth, each direction")
+    parser.add_argument("--latency-ms", type=float, default=d["latency_ms"],
+                        help="one-way latency between two hosts")
+    parser.add_argument("--steps", type=int, default=d["steps"], help="steps per run")
+    parser.add_argument("--reps", type=int, default=d["reps"], help="interleaved repetitions")
+    parser.add_argument("--global-batch", type=int, default=d["global_batch"])
+    parser.add_argument("--schedulers", default=d["schedulers"],
+                        help="comma-separated: fifo, p3, bytescheduler, prophet, tf-mwms")
+    parser.add_argument("--compute-reps", type=int, default=2,
+                        help="compute-only runs (first reps); 0 = the profile's compute time")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--timeline-dir", default=None,
+                        help="keep each prophet_tf run's worker timelines here")
+    args = parser.parse_args(argv)
+    if args.workers < 1 or args.ps < 1 or args.reps < 1 or not args.bandwidth_mbit > 0 \
+            or args.latency_ms < 0:
+        parser.error(f"need --workers, --ps, --reps >= 1, --bandwidth-mbit > 0, --latency-ms "
+                     f">= 0. Received: --workers={args.workers}, --ps={args.ps}, "
+                     f"--reps={args.reps}, --bandwidth-mbit={args.bandwidth_mbit}, "
+                     f"--latency-ms={args.latency_ms}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = run_bench(args)
+    except (ValueError, RuntimeError, FileNotFoundError, netns.NetnsUnavailable) as e:
+        print(f"prophet-tf bench: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("prophet-tf bench: interrupted; the emulated network was removed", file=sys.stderr)
+        return 130
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

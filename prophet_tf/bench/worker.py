@@ -1,0 +1,147 @@
+"""One bench worker: trains a bench model for some steps and writes its step times.
+
+    python -m prophet_tf.bench.worker --framework prophet --model cnn --steps 30 \\
+        --global-batch 64 --out worker0.json
+
+The cluster comes from TF_CONFIG (set by ``prophet-tf bench``); with
+``--framework prophet`` the scheduler comes from PROPHET_TF_SCHEDULER and the
+model is Keras 3 under ``prophet_tf.Strategy``; with ``--framework tf-mwms``
+it is the same model rebuilt in tf_keras under TensorFlow's
+MultiWorkerMirroredStrategy (ring all-reduce over gRPC); ``--framework local``
+profiles the model's compute on this worker's share of each batch with no
+communication (``models.profile_model``; the report's ``step_times_s`` is
+its forward + backward time). Both read the same
+synthetic data in the same order, ``--global-batch`` rows per step split
+evenly over the workers, with the same optimizer.
+
+Step times: a Keras callback takes ``time.perf_counter()`` at the start of
+the first batch and at the end of every batch; step i's time is the time
+between the ends of batches i-1 and i (step 0: since its start). The output
+JSON has ``step_times_s`` (every step, warm-up included; the bench drops the
+warm-up) and the framework, scheduler and worker index.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+FRAMEWORKS = ("prophet", "tf-mwms", "local")
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m prophet_tf.bench.worker",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--framework", choices=FRAMEWORKS, required=True)
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--steps", type=int, required=True, help="training steps (all counted)")
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--out", required=True, help="where to write the step times (JSON)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.global_batch < 1:
+        parser.error(f"--steps and --global-batch must be >= 1. Received: --steps={args.steps}, "
+                     f"--global-batch={args.global_batch}")
+    return args
+
+
+def _timer_callback(base):
+    class StepTimer(base):
+        """Wall-clock time at the start of the first batch and at every batch's end."""
+
+        def __init__(self):
+            super().__init__()
+            self.begin = None
+            self.ends = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.begin is None:
+                self.begin = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+        def step_times(self):
+            marks = [self.begin] + self.ends
+            return [b - a for a, b in zip(marks, marks[1:])]
+
+    return StepTimer()
+
+
+def main(argv=None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    import tensorflow as tf
+
+    from prophet_tf.bench import models
+
+    tf.config.threading.set_intra_op_parallelism_threads(models.INTRA_OP_THREADS)
+    tf.config.threading.set_inter_op_parallelism_threads(models.INTER_OP_THREADS)
+    x, y = models.synthetic_data(args.model, args.steps * args.global_batch)
+    tf_config = json.loads(os.environ.get("TF_CONFIG", "{}"))
+    index = int(tf_config.get("task", {}).get("index", 0))
+    scheduler = None
+    if args.framework == "prophet":
+        import keras
+
+        import prophet_tf
+        keras.utils.set_random_seed(0)
+        strategy = prophet_tf.Strategy()
+        scheduler = strategy.scheduler
+        with strategy.scope():
+            model = models.build_model(args.model, keras)
+            model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        timer = _timer_callback(keras.callbacks.Callback)
+        model.fit(x, y, batch_size=args.global_batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[timer])
+        strategy.shutdown()
+    elif args.framework == "local":
+        # Compute only: the per-variable profile (models.profile_model) of this
+        # worker's share of the batch, no communication. Run on every worker
+        # host at once, it measures compute under the same CPU sharing as the
+        # distributed runs.
+        workers = len(tf_config.get("cluster", {}).get("worker", [])) or 1
+        profile = models.profile_model(args.model, args.global_batch // workers,
+                                       iterations=max(1, args.steps - 2), warmup=2)
+        result = {"framework": args.framework, "scheduler": None, "worker": index,
+                  "model": args.model, "num_params": profile["num_params"],
+                  "global_batch": args.global_batch, "profile": profile,
+                  "step_times_s": [profile["compute_s"]]}
+        _write(args.out, result)
+        return 0
+    else:
+        import tf_keras
+        tf_keras.utils.set_random_seed(0)
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        with strategy.scope():
+            model = models.build_model(args.model, tf_keras)
+            model.compile(optimizer=tf_keras.optimizers.SGD(0.01, momentum=0.9),
+                          loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
+        data_options = tf.data.Options()
+        data_options.experimental_distribute.auto_shard_policy = \
+            tf.data.experimental.AutoShardPolicy.DATA
+        dataset = dataset.with_options(data_options)
+        timer = _timer_callback(tf_keras.callbacks.Callback)
+        model.fit(dataset, epochs=1, steps_per_epoch=args.steps, verbose=0, callbacks=[timer])
+    result = {"framework": args.framework, "scheduler": scheduler, "worker": index,
+              "model": args.model, "num_params": int(model.count_params()),
+              "global_batch": args.global_batch, "step_times_s": timer.step_times()}
+    _write(args.out, result)
+    return 0
+
+
+def _write(path: str, result: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

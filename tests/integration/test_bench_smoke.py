@@ -1,0 +1,49 @@
+"""`prophet-tf bench` end to end: a short run of two schedulers on a shaped network."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from prophet_tf.bench import netns
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BANDWIDTH_MBIT = 100.0
+
+
+@pytest.mark.timeout(420)
+def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_path):
+    before = set(netns.list_ours()) if netns.available()[0] else set()
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "prophet_tf", "bench", "--model", "cnn", "--workers", "2",
+         "--ps", "1", "--bandwidth-mbit", str(BANDWIDTH_MBIT), "--steps", "9", "--reps", "1",
+         "--compute-reps", "0", "--schedulers", "fifo,prophet", "--json", str(out)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    config = result["config"]
+    for key in ("model", "workers", "ps", "bandwidth_mbit", "latency_ms", "steps", "reps",
+                "warmup_steps", "global_batch", "shaping", "compute_s", "ideal"):
+        assert key in config, key
+    assert config["workers"] == 2 and config["ps"] == 1 and config["warmup_steps"] == 8
+    assert [r["scheduler"] for r in result["results"]] == ["fifo", "prophet"]
+    # Bytes each step must cross the busiest shaped link, one direction.
+    if config["shaping"] == "netns":
+        nbytes = config["ideal"]["busiest_link_bytes"]
+    else:  # the transport's token bucket limits each worker's own connection
+        nbytes = config["model_bytes"]
+    floor = nbytes * 8 / (BANDWIDTH_MBIT * 1e6)
+    for r in result["results"]:
+        assert r["step_time_s"] > 0 and len(r["step_time_s_all"]) == 1
+        assert r["samples_per_s"] == pytest.approx(config["global_batch"] / r["step_time_s"])
+        assert r["ideal_step_time_s"] >= floor * 0.999
+        # Unshaped, this model's step takes about a third of this on loopback.
+        assert r["step_time_s"] >= floor * 0.95, (r, floor)
+        assert r["step_time_s"] >= r["ideal_step_time_s"] * 0.9
+    assert "fifo" in proc.stdout and "prophet" in proc.stdout  # the table
+    if netns.available()[0]:
+        assert set(netns.list_ours()) == before  # torn down

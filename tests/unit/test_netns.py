@@ -1,0 +1,150 @@
+"""The emulated cluster: namespaces, shaped links, and teardown in every case."""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from prophet_tf.bench import netns
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+OK, WHY = netns.available()
+needs_netns = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
+
+
+def _exists(name: str) -> bool:
+    return name in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                  text=True).stdout.split()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs", [dict(num_hosts=0, bandwidth_mbit=10),
+                                    dict(num_hosts=2, bandwidth_mbit=-1),
+                                    dict(num_hosts=2, bandwidth_mbit=10, latency_ms=-5)])
+def test_bad_arguments_are_rejected_before_anything_exists(kwargs):
+    before = netns.list_ours()
+    with pytest.raises(ValueError, match="Received"):
+        netns.EmulatedNetwork(**kwargs)
+    assert netns.list_ours() == before
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_network_is_shaped_and_removed():
+    with netns.EmulatedNetwork(2, 40) as net:
+        names = [net.bridge_ns, *net.hosts]
+        assert all(_exists(n) for n in names)
+        qdiscs = net.qdiscs()
+        assert qdiscs.count("tbf") == 4 and "40Mbit" in qdiscs
+        # 1 MB from host 0 to host 1 over two 40 Mbit/s links takes >= 0.2 s.
+        server = subprocess.Popen(net.command(1, [sys.executable, "-c", textwrap.dedent(f"""
+            import socket
+            s = socket.socket(); s.bind(("{net.addresses[1]}", 5001)); s.listen(1)
+            print("ready", flush=True)
+            c, _ = s.accept(); n = 0
+            while d := c.recv(1 << 16): n += len(d)
+            print(n, flush=True)""")]), stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "ready"
+            t0 = time.monotonic()
+            subprocess.run(net.command(0, [sys.executable, "-c", textwrap.dedent(f"""
+                import socket
+                c = socket.create_connection(("{net.addresses[1]}", 5001))
+                c.sendall(b"x" * 1_000_000); c.close()""")]), check=True, timeout=30)
+            assert server.stdout.readline().strip() == "1000000"
+            elapsed = time.monotonic() - t0
+        finally:
+            server.kill()
+            server.wait()
+        assert elapsed >= 1_000_000 * 8 / 40e6 * 0.9, elapsed
+    assert not any(_exists(n) for n in names)
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_removed_after_an_exception():
+    with pytest.raises(RuntimeError, match="boom"):
+        with netns.EmulatedNetwork(2, 100) as net:
+            names = [net.bridge_ns, *net.hosts]
+            assert all(_exists(n) for n in names)
+            raise RuntimeError("boom")
+    assert not any(_exists(n) for n in names)
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_removed_when_the_process_is_signalled(sig):
+    code = textwrap.dedent("""
+        import time
+        from prophet_tf.bench import netns
+        with netns.EmulatedNetwork(2, 100) as net:
+            print(" ".join([net.bridge_ns, *net.hosts]), flush=True)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        names = proc.stdout.readline().split()
+        assert names and all(_exists(n) for n in names)
+        proc.send_signal(sig)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not any(_exists(n) for n in names)
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_cleanup_removes_only_dead_runs():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"ptf{dead.pid}x0000-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        with netns.EmulatedNetwork(1, 100) as live:
+            removed = netns.cleanup_leftovers()
+            assert stale in removed and not _exists(stale)
+            assert _exists(live.hosts[0])  # this process's run is kept
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_latency_without_netem_is_a_clear_error_or_works():
+    before = set(netns.list_ours())
+    has_netem, why = netns.available(need_latency=True)
+    if has_netem:
+        with netns.EmulatedNetwork(2, 100, latency_ms=2) as net:
+            assert "netem" in net.qdiscs()
+    else:
+        with pytest.raises(netns.NetnsUnavailable, match="netem"):
+            netns.EmulatedNetwork(2, 100, latency_ms=2).open()
+    assert set(netns.list_ours()) == before
+
+
+@pytest.mark.timeout(60)
+def test_transport_shaping_fallback_paces_pushes(monkeypatch):
+    """Without namespaces the bench sets PROPHET_TF_SHAPE_MBIT: pushes are paced."""
+    import numpy as np
+
+    from prophet_tf.ps.client import Chunk, PSClient
+    monkeypatch.setenv("PROPHET_TF_SHAPE_MBIT", "80")  # 10 MB/s
+    client = PSClient("127.0.0.1:1", worker_id=0, num_workers=1)  # nothing listens: not needed
+    try:
+        chunk = Chunk(0, 0, 0, np.zeros(250_000, np.float32))  # 1 MB
+        t0 = time.monotonic()
+        futures = [client.push_future([chunk], timeout=0.01) for _ in range(3)]
+        elapsed = time.monotonic() - t0
+        for f in futures:
+            f.cancel()
+    finally:
+        client.close()
+    assert elapsed >= 0.27, elapsed  # 3 MB at 10 MB/s (0.3 s) less the 64 KiB burst

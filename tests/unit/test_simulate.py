@@ -1,0 +1,124 @@
+"""The simulator drives the engine's own schedulers; its limits are the obvious ones."""
+import math
+
+import pytest
+
+from prophet_tf.bench import ideal, shaping, simulate
+from prophet_tf.engine import schedulers
+
+NAMES = list(schedulers.SCHEDULERS)
+
+
+def _profile(nbytes, forward, ready):
+    variables = [{"name": f"v{i}", "shape": [b // 4], "nbytes": b, "forward_s": f,
+                  "backward_ready_s": r} for i, (b, f, r) in enumerate(zip(nbytes, forward, ready))]
+    return {"model": "toy", "variables": variables, "forward_s": sum(forward),
+            "backward_s": max(ready), "compute_s": sum(forward) + max(ready)}
+
+
+# A small CNN-like model: small early layers with most compute, big late layers.
+TOY = _profile([40_000, 400_000, 4_000_000, 40_000], [0.02, 0.02, 0.005, 0.001],
+               [0.08, 0.05, 0.01, 0.002])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", NAMES)
+def test_infinite_bandwidth_gives_the_compute_time(name):
+    r = simulate.simulate(TOY, name, workers=4, num_ps=2, bandwidth_mbit=None,
+                          rpc_overhead_s=0.0)
+    assert r["step_time_s"] == pytest.approx(TOY["compute_s"], rel=1e-6)
+    assert r["ideal_step_time_s"] == pytest.approx(TOY["compute_s"], rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", NAMES)
+def test_zero_compute_gives_bytes_over_bandwidth(name):
+    # One 4 MB variable, W=1, P=1: the push, then the pull of the same bytes.
+    nbytes = 4_000_000
+    r = simulate.simulate(_profile([nbytes], [0.0], [0.0]), name, workers=1, num_ps=1,
+                          bandwidth_mbit=80, rpc_overhead_s=0.0)
+    one_way = nbytes * 8 / 80e6
+    partition = min(nbytes, schedulers.make_scheduler(name).partition_bytes or nbytes)
+    # Pipelined by partitions: all bytes one way plus the last partition back.
+    assert one_way + partition * 8 / 80e6 - 1e-9 <= r["step_time_s"] <= 2 * one_way + 1e-9
+    # The only variable is the first layer: its push and pull are the critical path.
+    assert r["ideal_step_time_s"] == pytest.approx(2 * one_way)
+
+
+@pytest.mark.timeout(60)
+def test_ps_link_is_shared_by_the_workers():
+    p = _profile([4_000_000], [0.0], [0.0])
+    one = simulate.simulate(p, "fifo", 1, 1, 80, rpc_overhead_s=0.0)["step_time_s"]
+    four = simulate.simulate(p, "fifo", 4, 1, 80, rpc_overhead_s=0.0)["step_time_s"]
+    assert four == pytest.approx(4 * one, rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", NAMES)
+def test_the_engines_scheduler_objects_are_driven(name, monkeypatch):
+    made = []
+    real = schedulers.make_scheduler
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    assert simulate.schedulers_lib is schedulers  # the module the engine imports
+    monkeypatch.setattr(schedulers, "make_scheduler", spy)
+    r = simulate.simulate(TOY, name, workers=2, num_ps=1, bandwidth_mbit=100)
+    assert len(made) == 1 and type(made[0]) is schedulers.SCHEDULERS[name]
+    assert r["scheduler_class"] == f"prophet_tf.engine.schedulers.{type(made[0]).__name__}"
+    # Every step's gradients went out (the last step's may still be queued).
+    total = sum(v["nbytes"] for v in TOY["variables"])
+    assert r["pushed_bytes_per_step"] >= total * (len(r["step_times_s"]) - 1) / len(r["step_times_s"])
+    if name == "prophet":
+        assert made[0].current_plan is not None  # it profiled and planned in virtual time
+
+
+@pytest.mark.timeout(60)
+def test_limited_bandwidth_is_slower_and_never_beats_the_ideal():
+    for name in NAMES:
+        r = simulate.simulate(TOY, name, workers=8, num_ps=1, bandwidth_mbit=200)
+        assert r["step_time_s"] >= r["ideal_step_time_s"] > TOY["compute_s"]
+
+
+@pytest.mark.timeout(60)
+def test_ideal_bound_terms():
+    b = ideal.ideal_step_time(TOY, workers=2, num_ps=1, bandwidth_mbit=100, latency_ms=1.0)
+    total = sum(v["nbytes"] for v in TOY["variables"])
+    assert b["busiest_link_bytes"] == 2 * total
+    assert b["busiest_link_s"] == pytest.approx(2 * total * 8 / 100e6)
+    assert b["first_layer_s"] == pytest.approx(
+        TOY["forward_s"] + 0.08 + 2 * 2 * 40_000 * 8 / 100e6 + 0.002)
+    assert b["ideal_s"] == max(b["compute_s"], b["busiest_link_s"], b["first_layer_s"])
+    assert ideal.ideal_step_time(TOY, 2, 1, None)["ideal_s"] == TOY["compute_s"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scheduler="nope"), "Unknown scheduler"),
+    (dict(workers=0), "workers"),
+    (dict(bandwidth_mbit=0), "bandwidth_mbit"),
+    (dict(iterations=3), "iterations"),
+])
+def test_bad_arguments(kwargs, match):
+    args = dict(profile=TOY, scheduler="fifo", workers=2, num_ps=1, bandwidth_mbit=100)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        simulate.simulate(**args)
+
+
+@pytest.mark.timeout(60)
+def test_token_bucket_paces_and_rejects_bad_settings(monkeypatch):
+    bucket = shaping.TokenBucket(1_000_000, burst_bytes=1)
+    delays = [bucket.delay(100_000) for _ in range(5)]  # reserved back to back
+    assert delays[-1] == pytest.approx(0.5, abs=0.02)
+    monkeypatch.setenv(shaping.SHAPE_ENV, "fast")
+    with pytest.raises(ValueError, match="fast"):
+        shaping.from_env()
+    monkeypatch.setenv(shaping.SHAPE_ENV, "8")
+    push, pull = shaping.from_env()
+    assert push.rate == pull.rate == 1e6 and push is not pull
+    monkeypatch.delenv(shaping.SHAPE_ENV)
+    assert shaping.from_env() is None
+    assert math.isfinite(bucket.rate)

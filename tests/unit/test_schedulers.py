@@ -319,21 +319,23 @@ def test_prophet_blocks_fit_their_budget(workload):
 
 
 def test_prophet_plans_the_steps_and_fills_the_gaps():
-    grads, bursts = stepwise_model(num_keys=12, per_step=3, nbytes=2_000_000)
+    grads, bursts = stepwise_model(num_keys=12, per_step=3, nbytes=200_000)
     traces = stepwise_traces(bursts, 12, gap_ns=10 * MS)
     sched = schedulers.make_scheduler("prophet")
     records = []
-    sim = Sim(sched, grads, fixed(0.5), on_block=prophet_budget_checker(records)).run(traces)
+    sim = Sim(sched, grads, fixed(0.05), on_block=prophet_budget_checker(records)).run(traces)
     plan = sched.current_plan
     assert [sorted(s.keys) for s in plan.steps] == [sorted(b) for b in bursts]
     assert all(abs(s.gap_ns - 10 * MS) < 200_000 for s in plan.steps[:-1])
-    assert plan.bandwidth[0] == pytest.approx(0.5)
-    # 0.5 bytes/ns x 10 ms = 5 MB: each gap carries two 2 MB gradients in one block.
+    assert plan.bandwidth[0] == pytest.approx(0.05)
+    # 0.05 bytes/ns x 10 ms = 500 kB: each gap carries two 200 kB gradients in one
+    # block (and no block exceeds BLOCK_BYTES).
     gap_blocks = [r for r in records if r[0] == "gap"]
     assert gap_blocks and max(r[1] for r in gap_blocks) == 2
+    assert max(r[2] for r in records) <= schedulers.ProphetScheduler.BLOCK_BYTES
     assert len(sim.iteration_end) == 12
     json.dumps(sched.plan())
-    assert sched.plan()["steps"][0]["budget_bytes"]["0"] == pytest.approx(5_000_000, rel=0.03)
+    assert sched.plan()["steps"][0]["budget_bytes"]["0"] == pytest.approx(500_000, rel=0.03)
 
 
 def test_prophet_sends_a_single_huge_gradient_alone():
@@ -426,7 +428,7 @@ def test_registry_and_partition_sizes():
     assert list(schedulers.SCHEDULERS) == ALL
     assert schedulers.DEFAULT_PARTITION_BYTES == sharding.DEFAULT_MAX_PARTITION_BYTES
     sizes = {n: schedulers.make_scheduler(n).partition_bytes for n in ALL}
-    assert sizes == {"fifo": None, "p3": 200_000, "bytescheduler": 4_096_000, "prophet": None}
+    assert sizes == {"fifo": None, "p3": 200_000, "bytescheduler": 4_096_000, "prophet": 512 * 1024}
     assert schedulers.make_scheduler("p3", slice_bytes=1000).partition_bytes == 1000
     bs = schedulers.make_scheduler("bytescheduler", partition_bytes=1000)
     assert (bs.partition_bytes, bs.credit_bytes) == (1000, 4000)

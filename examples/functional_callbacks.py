@@ -5,8 +5,9 @@
 Callbacks, each writing under OUT/worker-<i>/ (workers share no file):
 
 - ModelCheckpoint: the best model so far (by validation loss), `best.keras`;
-- TensorBoard: logs in `tensorboard/` (`tensorboard --logdir OUT`), when the
-  `tensorboard` package is installed (tensorflow-cpu does not bring it);
+- TensorBoard: logs in `tensorboard/` (`tensorboard --logdir OUT`); it needs
+  the `tensorboard` package, which tensorflow-cpu does not bring and
+  `pip install prophet_tf[examples]` (or `make`) installs;
 - EarlyStopping: stops when the validation loss stops improving. Keep the
   default `restore_best_weights=False`: restoring assigns the weights after
   training started, which prophet_tf rejects (NotImplementedError); load

@@ -98,6 +98,9 @@ def test_functional_callbacks_crash_and_restart(tmp_path):
         mine = out / f"worker-{worker}"
         assert (mine / "best.keras").stat().st_size > 10_000  # ModelCheckpoint
         assert not (mine / "backup").exists()  # BackupAndRestore cleans up after success
+    # TensorBoard (the `examples` extra installs it) wrote event files on each worker.
+    logs = _lines(result.stdout, r"TensorBoard files (\d+)")
+    assert logs and all(int(m[1]) > 0 for m in logs), text
     # The best checkpoint is a plain Keras model that scores like the trained one.
     best = _lines(result.stdout, r"best checkpoint .*best\.keras: (\d\.\d+)")
     assert len(best) == 2 and all(float(m[1]) > 0.3 for m in best)

@@ -16,7 +16,7 @@ demo: build
 	$(PY) -m prophet_tf launch --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
 test: build
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 install: $(STAMP)
 

@@ -134,6 +134,7 @@ def test_load_8_workers_50_steps(tmp_path):
     run_load(tmp_path, steps=50)
 
 
+@pytest.mark.slow  # the full size; `pytest --runslow` runs it (20-80 s here)
 @pytest.mark.timeout(300)
 def test_load_8_workers_200_steps(tmp_path):
     run_load(tmp_path, steps=200, seed=1)

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 
 from prophet_tf import codec
+from prophet_tf.bench import shaping
 from prophet_tf.ps import health, sharding
 from prophet_tf.ps import security as security_lib
 from prophet_tf.ps.server import MAX_MESSAGE_BYTES, SERVICE_NAME
@@ -108,6 +109,7 @@ class PSClient:
         self.num_workers = num_workers
         self.max_message_bytes = max_message_bytes
         self._security = security_lib.client_security() if security is None else security
+        self._shapers = shaping.from_env()  # None unless the bench shapes in the transport
         self._channel = security_lib.create_channel(
             address, channel_options(max_message_bytes) + list(options), security=self._security)
         method = f"/{SERVICE_NAME}/"
@@ -250,9 +252,6 @@ class PSClient:
     def _shaper(self, direction: int):
         """The bench's fallback link shaping (0: push, 1: pull), None unless
         PROPHET_TF_SHAPE_MBIT is set; see prophet_tf.bench.shaping."""
-        if not hasattr(self, "_shapers"):
-            from prophet_tf.bench import shaping
-            self._shapers = shaping.from_env()
         return self._shapers[direction] if self._shapers else None
 
     def heartbeat(self, steps_pushed: int, leaving: bool = False,

@@ -36,7 +36,7 @@ class _Steps(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         step = int(self.model.optimizer.iterations.numpy())  # steps finished, all epochs
         if self.args.progress:
-            tmp = f"{self.args.progress}.tmp"
+            tmp = f"{self.args.progress}.tmp{os.getpid()}"  # workers share the file
             with open(tmp, "w") as f:
                 f.write(str(step))
             os.replace(tmp, self.args.progress)

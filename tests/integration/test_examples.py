@@ -109,6 +109,7 @@ def test_functional_callbacks_crash_and_restart(tmp_path):
 # -- the original example ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # `make demo` runs this example in full; `pytest --runslow` runs this test
 @pytest.mark.timeout(300)
 def test_train_digits_one_epoch():
     result = _launch(["--workers", "2", "--ps", "1", "--", sys.executable,

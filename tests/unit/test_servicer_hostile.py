@@ -30,6 +30,7 @@ from prophet_tf.ps import client as ps_client  # noqa: E402
 from prophet_tf.ps import server, sharding  # noqa: E402
 from prophet_tf.ps.servicer import ParameterServerServicer  # noqa: E402
 from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
+from test_servicer import Aborted, Context  # noqa: E402  (the servicer tests' context)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,26 +43,6 @@ SGD1 = json.dumps({"module": "keras.optimizers", "class_name": "SGD",
                    "config": {"name": "SGD", "learning_rate": 1.0}, "registered_name": None})
 CHECKED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.FAILED_PRECONDITION}
-
-
-class Aborted(Exception):
-    pass
-
-
-class Context:
-    def __init__(self, timeout=5.0):
-        self.deadline = time.monotonic() + timeout
-        self.code = self.details = None
-
-    def abort(self, code, details):
-        self.code, self.details = code, details
-        raise Aborted(code, details)
-
-    def time_remaining(self):
-        return max(0.0, self.deadline - time.monotonic())
-
-    def is_active(self):
-        return True
 
 
 def abort_of(call, request):

@@ -6,7 +6,6 @@ basename, so two files of the same name would collide.)
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import ROOT, run_ps
 from prophet_tf.ps import client as ps_client
 from prophet_tf.ps import health, security, sharding
+from tls_certs import make_cert
 from prophet_tf.ps.server import SERVICE_NAME
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -50,17 +50,6 @@ def _env(**extra):
     env.update(extra)
     return env
 
-
-def make_cert(directory: pathlib.Path, name: str = "ps.test", san: str = "DNS:ps.test"):
-    """A self-signed certificate and its key (PEM paths), made by the openssl CLI."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed")
-    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-                    "-subj", f"/CN={name}", "-addext", f"subjectAltName={san}",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
 
 
 def grads(seed):

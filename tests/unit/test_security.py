@@ -5,7 +5,6 @@ on free loopback ports; certificates are made by the ``openssl`` command.
 """
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import threading
@@ -18,23 +17,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from prophet_tf.ps import health as health_lib
 from prophet_tf.ps import security
+from tls_certs import make_cert
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-token_0123456789"
 
 pytestmark = pytest.mark.timeout(60)
 
-
-def make_cert(directory: pathlib.Path, name: str = "ps.test", san: str = "DNS:ps.test"):
-    """A self-signed certificate and its key (PEM paths), made by the openssl CLI."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed")
-    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-                    "-subj", f"/CN={name}", "-addext", f"subjectAltName={san}",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
 
 
 # -- settings ---------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, run_ps
 from prophet_tf import doctor as doctor_lib
 from prophet_tf.ps import security
-from test_transport_security import make_cert
+from tls_certs import make_cert
 
 SECURITY_ENV = (security.TOKEN_ENV, security.TOKEN_FILE_ENV, security.TLS_CA_ENV,
                 security.TLS_SERVER_NAME_ENV, security.TLS_CERT_ENV, security.TLS_KEY_ENV)

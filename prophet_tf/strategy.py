@@ -146,16 +146,29 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
 
     # -- input -----------------------------------------------------------------------------
 
+    # Keras iterates what these return. They are plain tf.data datasets, not
+    # OneDeviceStrategy's DistributedDataset: its iterator is a
+    # MultiDeviceIterator whose background prefetch thread TensorFlow 2.21 can
+    # leave running on a freed iterator when Keras drops one (fit -> evaluate),
+    # a SIGSEGV (README "How it works", "Input"). A plain iterator runs GetNext
+    # in the step itself, as single-process Keras does, and needs no copy to
+    # this strategy's CPU.
+
     def _experimental_distribute_dataset(self, dataset, options):
-        return super()._experimental_distribute_dataset(
-            split_batches(dataset, self.cluster.num_workers, self.cluster.task_index), options)
+        _check_replication_mode(options)
+        return split_batches(dataset, self.cluster.num_workers, self.cluster.task_index)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        _check_replication_mode(options)
         context = distribute_lib.InputContext(
             num_input_pipelines=self.cluster.num_workers,
             input_pipeline_id=self.cluster.task_index,
             num_replicas_in_sync=self.cluster.num_workers)
-        return super()._distribute_datasets_from_function(lambda _: dataset_fn(context), options)
+        dataset = dataset_fn(context)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise ValueError("The function given to distribute_datasets_from_function must "
+                             f"return a tf.data.Dataset. Received: {type(dataset).__name__}")
+        return dataset
 
     # -- gradients -------------------------------------------------------------------------
 
@@ -249,6 +262,14 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             for variable in trained:
                 variable._ps_managed = True
         self._registered = trained
+
+
+def _check_replication_mode(options) -> None:
+    if options is not None and options.experimental_replication_mode == \
+            distribute_lib.InputReplicationMode.PER_REPLICA:
+        raise NotImplementedError(
+            "prophet_tf.Strategy has one replica per worker: InputReplicationMode.PER_REPLICA "
+            "does not apply. Received: experimental_replication_mode=PER_REPLICA")
 
 
 def _reject_xla() -> None:

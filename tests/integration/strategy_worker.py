@@ -177,7 +177,8 @@ def single_process(args) -> dict[str, np.ndarray]:
     global_batch = args.batch * args.workers
     model = build_model(args.model, args.hidden)
     compile_model(model, args.optimizer)
-    info = train(model, args, global_batch)
+    for _ in range(getattr(args, "rounds", 1)):
+        info = train(model, args, global_batch)
     return {"trainable": [v.numpy() for v in model.trainable_variables],
             "weights": model.get_weights(), "info": info}
 
@@ -233,6 +234,13 @@ def scenario_train(strategy, args, out_dir) -> dict:
         model = build_model(args.model, hidden)
         compile_model(model, args.optimizer)
     info = train(model, args, global_batch)
+    for _ in range(1, getattr(args, "rounds", 1)):
+        # fit -> evaluate -> predict -> fit: Keras drops and makes input
+        # iterators at each boundary (a worker once crashed there).
+        x_probe, y_probe = probe_data(args.model, global_batch)
+        model.evaluate(x_probe, y_probe, batch_size=global_batch, verbose=0)
+        model.predict(x_probe, batch_size=global_batch, verbose=0)
+        info = train(model, args, global_batch)
     info.update(_collect(model, strategy, args, global_batch, out_dir))
     return info
 
@@ -321,6 +329,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", choices=["numpy", "dataset", "pydataset"], default="numpy")
     parser.add_argument("--steps", type=int, default=6, help="steps per epoch")
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="fit this many times, with evaluate and predict in between")
     parser.add_argument("--lr-callback", action="store_true",
                         help="change the learning rate with LearningRateScheduler")
     parser.add_argument("--batch", type=int, default=4, help="per-worker batch")

@@ -55,6 +55,8 @@ CONFIGS = {
     "bn": dict(workers=2, ps=1, optimizer="adam", model="bn", data="numpy", epochs=3, steps=4),
     "lr_callback": dict(workers=2, ps=1, optimizer="momentum", model="mlp", data="numpy",
                         epochs=3, steps=3, lr_callback=True),
+    # fit -> evaluate -> predict -> fit, run twice (see test_fit_evaluate_predict_fit...).
+    "rounds": dict(workers=2, ps=2, optimizer="adam", model="cnn", data="pydataset", rounds=2),
     "misuse": dict(workers=1, ps=1, optimizer="sgd", model="mlp", data="numpy",
                    scenario="misuse", watchdog=40.0),
 }
@@ -74,6 +76,7 @@ def worker_args(config: dict, out_dir: pathlib.Path) -> list[str]:
             "--model", config["model"], "--data", config["data"],
             "--steps", str(config.get("steps", STEPS)), "--epochs", str(config.get("epochs", 1)),
             "--batch", str(BATCH), "--watchdog", str(config.get("watchdog", WATCHDOG)),
+            "--rounds", str(config.get("rounds", 1)),
             "--out", str(out_dir)] + (["--lr-callback"] if config.get("lr_callback") else [])
 
 
@@ -166,13 +169,15 @@ def reference(config: dict, workers: int | None = None) -> dict:
     """Single-process Keras at the global batch, same data order and initial weights."""
     workers = config["workers"] if workers is None else workers
     key = (config["optimizer"], config["model"], config.get("steps", STEPS),
-           config.get("epochs", 1), workers, config.get("lr_callback", False))
+           config.get("epochs", 1), workers, config.get("lr_callback", False),
+           config.get("rounds", 1))
     if key not in _REFERENCES:
         sw.limit_threads()
         args = argparse.Namespace(optimizer=config["optimizer"], model=config["model"],
                                   data="numpy", steps=config.get("steps", STEPS),
                                   epochs=config.get("epochs", 1), batch=BATCH, workers=workers,
-                                  hidden=8, lr_callback=config.get("lr_callback", False))
+                                  hidden=8, lr_callback=config.get("lr_callback", False),
+                                  rounds=config.get("rounds", 1))
         _REFERENCES[key] = sw.single_process(args)
     return _REFERENCES[key]
 
@@ -227,6 +232,26 @@ def test_weights_equal_single_process_training(runs, name):
         np.testing.assert_array_equal(a, b)  # Both pulled the same bytes.
     info = run.info(0)
     assert info["steps_per_epoch"] == [STEPS]
+
+
+@pytest.mark.timeout(2 * CLUSTER_TIMEOUT + 60)
+@pytest.mark.parametrize("attempt", [1, 2])
+def test_fit_evaluate_predict_fit_on_a_pydataset_ends_cleanly_and_exact(tmp_path, attempt):
+    """Regression: a worker died with SIGSEGV between fit and evaluate.
+
+    The cause was TensorFlow's MultiDeviceIterator, which OneDeviceStrategy's
+    distributed datasets iterate with (README "How it works", "Input"); this
+    cluster (2 PS, Adam, CNN, PyDataset) met it most often. Run fresh twice.
+    """
+    run = cluster_run("rounds", tmp_path)  # A fresh cluster per attempt (own tmp_path).
+    _RUNS.pop("rounds", None)
+    run.check_ok()
+    assert "Segmentation fault" not in run.log, run.describe()
+    expected = reference(run.config)["trainable"]
+    for index in range(run.config["workers"]):
+        for j, (a, e) in enumerate(zip(run.trainable(index), expected)):
+            assert_close(a, e, f"attempt {attempt}: worker {index}, trainable variable {j}")
+    assert run.info(0)["iterations"] == 2 * STEPS
 
 
 @pytest.mark.timeout(CLUSTER_TIMEOUT + 60)

@@ -169,3 +169,40 @@ def test_unsupported_optimizer_options_are_named():
     for option, value in [("clipnorm", 1.0), ("clipvalue", 0.5), ("global_clipnorm", 1.0)]:
         with pytest.raises(ValueError, match=option):
             strategy_lib.optimizer_config(keras.optimizers.SGD(0.1, **{option: value}), [])
+
+
+# -- what Keras iterates -----------------------------------------------------------------------
+
+def test_distributed_datasets_are_plain_tf_data_with_this_workers_share():
+    """No MultiDeviceIterator: its prefetch thread crashed workers (README "How it works")."""
+    strategy = Strategy(worker_config(index=1))  # Connects to nothing until training starts.
+    base = tf.data.Dataset.range(8).batch(4)
+    distributed = strategy.experimental_distribute_dataset(base)
+    assert isinstance(distributed, tf.data.Dataset)
+    iterator = iter(distributed)
+    assert isinstance(iterator, tf.data.Iterator)
+    assert type(iterator).__name__ == "OwnedIterator", type(iterator)
+    assert [e.tolist() for e in steps_of(distributed)] == [[2, 3], [6, 7]]
+
+    contexts = []
+
+    def dataset_fn(context):
+        contexts.append(context)
+        return tf.data.Dataset.range(3)
+
+    from_function = strategy.distribute_datasets_from_function(dataset_fn)
+    assert isinstance(from_function, tf.data.Dataset)
+    assert steps_of(from_function) == [0, 1, 2]
+    (context,) = contexts
+    assert (context.num_input_pipelines, context.input_pipeline_id,
+            context.num_replicas_in_sync) == (2, 1, 2)
+
+
+def test_distribute_datasets_from_function_names_a_wrong_return_and_replication_mode():
+    strategy = Strategy(worker_config())
+    with pytest.raises(ValueError, match="must return a tf.data.Dataset. Received: list"):
+        strategy.distribute_datasets_from_function(lambda context: [1, 2])
+    options = tf.distribute.InputOptions(
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)
+    with pytest.raises(NotImplementedError, match="PER_REPLICA"):
+        strategy.experimental_distribute_dataset(tf.data.Dataset.range(2), options)

@@ -182,14 +182,20 @@ void RunCompletions(std::vector<Completion>* completions) {
   }
 }
 
+// A version being written: begin .. commit (or cancel).
+struct Delivery {
+  Tensor buffer;
+  int writers = 0;  // prophet_deliver_write calls copying into `buffer` now
+};
+
 struct Param {
   DataType dtype;
   TensorShape shape;
   bool has_value = false;
   bool frozen = false;  // serves the staged value at any step
   int64_t version = -1;
-  Tensor value;                       // the staged value readers get
-  std::map<int64_t, Tensor> writing;  // version -> buffer between begin and commit
+  Tensor value;                         // the staged value readers get
+  std::map<int64_t, Delivery> writing;  // version -> buffer between begin and commit
   std::vector<PendingAwait> pending;
 };
 
@@ -205,6 +211,10 @@ char empty_buffer_sentinel;
 void* DataPointer(const Tensor& t) {
   if (t.NumElements() == 0) return &empty_buffer_sentinel;
   return const_cast<char*>(t.tensor_data().data());
+}
+
+bool SameBuffer(const Tensor& a, const Tensor& b) {
+  return a.tensor_data().data() == b.tensor_data().data();
 }
 
 class Runtime {
@@ -303,15 +313,55 @@ class Runtime {
     return PROPHET_OK;
   }
 
-  void* DeliverBegin(int64_t key, int64_t version) {
+  int DeliverBegin(int64_t key, int64_t version) {
     std::lock_guard<std::mutex> lock(mu_);
     Param* p = nullptr;
-    if (int rc = CheckDelivery(key, version, &p); rc != PROPHET_OK) return nullptr;
-    auto it = p->writing.find(version);
-    if (it == p->writing.end()) {
-      it = p->writing.emplace(version, Tensor(p->dtype, p->shape)).first;
+    if (int rc = CheckDelivery(key, version, &p); rc != PROPHET_OK) return rc;
+    if (p->writing.find(version) == p->writing.end()) {
+      p->writing.emplace(version, Delivery{Tensor(p->dtype, p->shape), 0});
     }
-    return DataPointer(it->second);
+    return PROPHET_OK;
+  }
+
+  int DeliverWrite(int64_t key, int64_t version, int64_t offset, const void* src, int64_t nbytes) {
+    Tensor target;  // shares the buffer: keeps it alive while we copy into it
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = params_.find(key);
+      if (it == params_.end()) return Fail(PROPHET_ERR_UNDECLARED, UndeclaredMessage(key));
+      if (aborted_) return Fail(PROPHET_ERR_ABORTED, abort_message_);
+      auto w = it->second.writing.find(version);
+      if (w == it->second.writing.end()) {
+        return Fail(PROPHET_ERR_NO_DELIVERY,
+                    absl::StrCat("prophet_deliver_write without prophet_deliver_begin. Received: key=",
+                                 key, ", version=", version));
+      }
+      const int64_t size = static_cast<int64_t>(w->second.buffer.tensor_data().size());
+      // Written so that no sum can overflow: offset <= size, nbytes <= size - offset.
+      if (offset < 0 || nbytes < 0 || offset > size || nbytes > size - offset) {
+        return Fail(PROPHET_ERR_BOUNDS,
+                    absl::StrCat("write outside parameter key=", key, " (", size,
+                                 " bytes). Received: offset=", offset, ", nbytes=", nbytes));
+      }
+      if (nbytes > 0 && src == nullptr) {
+        return Fail(PROPHET_ERR_INVALID, "prophet_deliver_write: src is NULL");
+      }
+      if (nbytes == 0) return PROPHET_OK;
+      target = w->second.buffer;
+      ++w->second.writers;
+    }
+    std::memcpy(static_cast<char*>(DataPointer(target)) + offset, src, static_cast<size_t>(nbytes));
+    std::lock_guard<std::mutex> lock(mu_);
+    // The delivery may be gone (cancel, reset, failed commit): then only our
+    // reference kept the buffer alive, and it goes with `target`.
+    auto it = params_.find(key);
+    if (it != params_.end()) {
+      auto w = it->second.writing.find(version);
+      if (w != it->second.writing.end() && SameBuffer(w->second.buffer, target)) {
+        --w->second.writers;
+      }
+    }
+    return PROPHET_OK;
   }
 
   int DeliverCommit(int64_t key, int64_t version) {
@@ -329,7 +379,14 @@ class Runtime {
                     absl::StrCat("prophet_deliver_commit without prophet_deliver_begin. Received: key=",
                                  key, ", version=", version));
       }
-      p->value = std::move(w->second);
+      if (w->second.writers > 0) {
+        // Readers would see a value still being written.
+        return Fail(PROPHET_ERR_BUSY,
+                    absl::StrCat("prophet_deliver_commit while ", w->second.writers,
+                                 " write(s) into it are in progress. Received: key=", key,
+                                 ", version=", version));
+      }
+      p->value = std::move(w->second.buffer);
       p->writing.erase(w);
       p->version = version;
       p->has_value = true;
@@ -626,8 +683,13 @@ int prophet_declare_param(int64_t key, int32_t dtype, int32_t ndims, const int64
   return prophet_tf::TheRuntime().Declare(key, dtype, ndims, dims);
 }
 
-void* prophet_deliver_begin(int64_t key, int64_t version) {
+int prophet_deliver_begin(int64_t key, int64_t version) {
   return prophet_tf::TheRuntime().DeliverBegin(key, version);
+}
+
+int prophet_deliver_write(int64_t key, int64_t version, int64_t offset, const void* src,
+                          int64_t nbytes) {
+  return prophet_tf::TheRuntime().DeliverWrite(key, version, offset, src, nbytes);
 }
 
 int prophet_deliver_commit(int64_t key, int64_t version) {

@@ -13,11 +13,15 @@
 //     with prophet_next_grad and releases with prophet_release_grad. A Tensor
 //     copy shares its buffer, so no gradient bytes are copied.
 //   * parameter staging: the engine declares each parameter (dtype, shape),
-//     writes a pulled value into a fresh Tensor (prophet_deliver_begin) and
-//     publishes it (prophet_deliver_commit), which completes every pending
-//     AwaitParam whose step <= the delivered version. Readers hold their own
-//     reference to the Tensor they got, so a later delivery never changes a
-//     value a step is still using.
+//     opens a fresh Tensor for a pulled version (prophet_deliver_begin),
+//     copies the received parts into it (prophet_deliver_write, which checks
+//     every byte range against the declared size) and publishes it
+//     (prophet_deliver_commit), which completes every pending AwaitParam
+//     whose step <= the delivered version. Readers hold their own reference
+//     to the Tensor they got, so a later delivery never changes a value a
+//     step is still using; a write holds one too, so a cancel, reset or
+//     failed commit racing with it never frees the memory it copies into.
+//     No pointer into staging memory ever leaves the runtime.
 //
 // Thread-safety: every function here may be called from any thread.
 // Blocking C functions (prophet_next_grad) block without the GIL because
@@ -55,6 +59,8 @@ enum ProphetStatus {
   PROPHET_ERR_VERSION_ORDER = -4,  // version older than the staged one
   PROPHET_ERR_NO_DELIVERY = -5,    // commit without a matching deliver_begin
   PROPHET_ERR_CONFLICT = -6,       // re-declaration with another dtype/shape
+  PROPHET_ERR_BOUNDS = -7,         // a write outside the parameter's bytes
+  PROPHET_ERR_BUSY = -8,           // commit while a write into it is in progress
 };
 
 // 32 bytes, no implicit padding; mirrored by a numpy structured dtype.
@@ -94,7 +100,14 @@ int64_t prophet_outstanding_grads(void);
 int64_t prophet_queued_grads(void);
 
 int prophet_declare_param(int64_t key, int32_t dtype, int32_t ndims, const int64_t* dims);
-void* prophet_deliver_begin(int64_t key, int64_t version);
+// Opens (or finds the open) delivery of `key` at `version`.
+int prophet_deliver_begin(int64_t key, int64_t version);
+// Copies `nbytes` bytes from `src` to byte `offset` of the open delivery;
+// PROPHET_ERR_BOUNDS (nothing written) unless 0 <= offset and
+// offset + nbytes <= the parameter's size. Writes to disjoint ranges may run
+// in parallel; the copy runs outside the runtime's lock.
+int prophet_deliver_write(int64_t key, int64_t version, int64_t offset, const void* src,
+                          int64_t nbytes);
 int prophet_deliver_commit(int64_t key, int64_t version);
 int prophet_deliver_cancel(int64_t key, int64_t version);
 int64_t prophet_param_nbytes(int64_t key);

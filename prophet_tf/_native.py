@@ -36,7 +36,8 @@ __all__ = [
     "StampKind", "STAMP_DTYPE", "Grad", "RuntimeAbortedError", "ops_available", "load",
     "ready_stamp", "push_grad", "await_param", "drain_stamps", "stamps_dropped", "stamp",
     "now_ns", "next_grad", "release_grad", "declare_param", "freeze_param", "deliver_begin",
-    "deliver_commit", "deliver_cancel", "deliver", "param_version", "abort", "reset",
+    "deliver_write", "deliver_commit", "deliver_cancel", "deliver", "param_version", "abort",
+    "reset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ STAMP_DTYPE = np.dtype({"names": ["key", "step", "t_ns", "kind"],
                         "offsets": [0, 8, 16, 24], "itemsize": 32})
 
 # Return codes of the C API.
-_OK, _ABORTED, _INVALID, _UNDECLARED, _VERSION_ORDER, _NO_DELIVERY, _CONFLICT = range(0, -7, -1)
+(_OK, _ABORTED, _INVALID, _UNDECLARED, _VERSION_ORDER, _NO_DELIVERY, _CONFLICT, _BOUNDS,
+ _BUSY) = range(0, -9, -1)
 
 _SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
@@ -110,7 +112,8 @@ def _declare_c_api(lib: ctypes.CDLL) -> None:
         "prophet_queued_grads": (i64, []),
         "prophet_declare_param": (ctypes.c_int, [i64, i32, i32, ctypes.POINTER(i64)]),
         "prophet_freeze_param": (ctypes.c_int, [i64]),
-        "prophet_deliver_begin": (vp, [i64, i64]),
+        "prophet_deliver_begin": (ctypes.c_int, [i64, i64]),
+        "prophet_deliver_write": (ctypes.c_int, [i64, i64, i64, vp, i64]),
         "prophet_deliver_commit": (ctypes.c_int, [i64, i64]),
         "prophet_deliver_cancel": (ctypes.c_int, [i64, i64]),
         "prophet_param_nbytes": (i64, [i64]),
@@ -427,23 +430,35 @@ def pending_awaits() -> int:
     return _lib().prophet_pending_awaits()
 
 
-def deliver_begin(key: int, version: int) -> int:
-    """Allocates the buffer for `key` at `version` and returns its address.
+def deliver_begin(key: int, version: int) -> None:
+    """Opens a fresh buffer for `key` at `version` (again for the same open version: no-op).
 
-    Write the value (C order, declared dtype) into it, e.g. with ctypes.memmove,
-    then call `deliver_commit`. Calling again for the same open version returns
-    the same buffer.
+    Fill it with `deliver_write`, then publish it with `deliver_commit`.
 
     Raises:
         KeyError: `key` was never declared.
         ValueError: `version` is older than the staged one, or negative.
         RuntimeAbortedError: the runtime was aborted.
     """
-    lib = _lib()
-    address = lib.prophet_deliver_begin(key, version)
-    if not address:
-        _check(lib.prophet_last_error_code(), f"deliver_begin(key={key}, version={version})")
-    return address
+    _check(_lib().prophet_deliver_begin(key, version),
+           f"deliver_begin(key={key}, version={version})")
+
+
+def deliver_write(key: int, version: int, offset: int, data: np.ndarray) -> None:
+    """Copies `data`'s bytes to byte `offset` of the open delivery of `key` at `version`.
+
+    The runtime checks the range against the declared size before writing
+    anything; writes to disjoint ranges may run from several threads at once.
+
+    Raises:
+        ValueError: the range falls outside the parameter (nothing written),
+            or no delivery of `version` is open.
+        KeyError: `key` was never declared.
+        RuntimeAbortedError: the runtime was aborted.
+    """
+    data = np.ascontiguousarray(data)
+    _check(_lib().prophet_deliver_write(key, version, offset, data.ctypes.data, data.nbytes),
+           f"deliver_write(key={key}, version={version})")
 
 
 def deliver_commit(key: int, version: int) -> None:
@@ -472,10 +487,9 @@ def deliver(key: int, version: int, value) -> None:
     if src.nbytes != nbytes:
         raise ValueError(f"deliver(key={key}) expects {nbytes} bytes of {dtype.name}. "
                          f"Received: shape={src.shape} ({src.nbytes} bytes)")
-    address = deliver_begin(key, version)
+    deliver_begin(key, version)
     try:
-        if nbytes:
-            ctypes.memmove(address, src.ctypes.data, nbytes)
+        deliver_write(key, version, 0, src)
     except BaseException:
         deliver_cancel(key, version)
         raise

@@ -196,8 +196,7 @@ def test_declare_rejects_bad_input():
 
 def test_delivery_errors_are_codes_not_crashes():
     lib = _native.load().lib
-    assert lib.prophet_deliver_begin(5, 0) is None
-    assert lib.prophet_last_error_code() == -3
+    assert lib.prophet_deliver_begin(5, 0) == -3
     assert lib.prophet_deliver_commit(5, 0) == -3
     assert lib.prophet_param_version(5) == -3
     with pytest.raises(KeyError):
@@ -217,17 +216,56 @@ def test_delivery_errors_are_codes_not_crashes():
     assert _native.param_version(5) == 3
 
 
-def test_deliver_begin_is_zero_copy_and_commit_publishes():
+def test_deliver_writes_parts_and_commit_publishes_without_copy():
     _native.declare_param(1, tf.float32, [4])
-    address = _native.deliver_begin(1, 0)
-    assert address == _native.deliver_begin(1, 0)  # same open buffer
+    _native.deliver_begin(1, 0)
+    _native.deliver_begin(1, 0)  # the same open buffer: no-op
     src = np.array([1.5, 2.5, 3.5, 4.5], np.float32)
-    ctypes.memmove(address, src.ctypes.data, src.nbytes)
+    _native.deliver_write(1, 0, 8, src[2:])  # parts in any order
+    _native.deliver_write(1, 0, 0, src[:2])
     _native.deliver_commit(1, 0)
     value = _native.await_param(0, key=1, dtype=tf.float32, shape=[4])
     np.testing.assert_array_equal(value.numpy(), src)
-    # The op's output is the staged buffer itself, not a copy.
-    assert value._numpy().ctypes.data == address
+    # Readers share the staged buffer: a second read is the same memory.
+    again = _native.await_param(0, key=1, dtype=tf.float32, shape=[4])
+    assert value._numpy().ctypes.data == again._numpy().ctypes.data
+
+
+@pytest.mark.parametrize("offset,nbytes", [
+    (-1, 4), (0, -1), (13, 4), (16, 1), (17, 0), (-(1 << 63), 4), (8, (1 << 63) - 1),
+    ((1 << 63) - 1, 1), (4, 13)])
+def test_deliver_write_out_of_bounds_is_refused_and_writes_nothing(offset, nbytes):
+    lib = _native.load().lib
+    _native.declare_param(6, tf.float32, [4])  # 16 bytes
+    _native.deliver_begin(6, 1)
+    _native.deliver_write(6, 1, 0, np.full(4, 7.0, np.float32))
+    src = np.zeros(64, np.uint8)
+    assert lib.prophet_deliver_write(6, 1, offset, src.ctypes.data, nbytes) == -7
+    message = _native._last_error()
+    assert f"offset={offset}, nbytes={nbytes}" in message and "16 bytes" in message, message
+    _native.deliver_commit(6, 1)
+    value = _native.await_param(1, key=6, dtype=tf.float32, shape=[4])
+    np.testing.assert_array_equal(value.numpy(), np.full(4, 7.0, np.float32))
+
+
+def test_deliver_write_names_what_was_wrong():
+    lib = _native.load().lib
+    _native.declare_param(7, tf.float32, [2])
+    src = np.ones(2, np.float32)
+    with pytest.raises(KeyError, match="key=8"):
+        _native.deliver_write(8, 0, 0, src)
+    with pytest.raises(ValueError, match="without prophet_deliver_begin.*version=0"):
+        _native.deliver_write(7, 0, 0, src)  # not opened
+    _native.deliver_begin(7, 2)
+    with pytest.raises(ValueError, match="without prophet_deliver_begin.*version=3"):
+        _native.deliver_write(7, 3, 0, src)  # another version
+    with pytest.raises(ValueError, match="outside parameter key=7"):
+        _native.deliver_write(7, 2, 4, src)
+    assert lib.prophet_deliver_write(7, 2, 0, None, 8) == -2  # NULL source
+    assert lib.prophet_deliver_write(7, 2, 0, None, 0) == 0  # nothing to copy
+    _native.deliver_cancel(7, 2)
+    with pytest.raises(ValueError, match="without prophet_deliver_begin"):
+        _native.deliver_write(7, 2, 0, src)  # cancelled
 
 
 def test_deliver_cancel_drops_open_buffer():

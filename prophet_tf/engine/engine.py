@@ -20,7 +20,6 @@ PS knows the trained variables by their position in `trainable_variables`
 from __future__ import annotations
 
 import atexit
-import ctypes
 import enum
 import logging
 import os
@@ -78,6 +77,8 @@ class Engine:
     HEARTBEAT_INTERVAL_S = 1.0
     #: A PS that answers no heartbeat for this long is lost.
     PS_TIMEOUT_S = 10.0
+    #: How long shutdown waits for each thread once the channels are closed.
+    JOIN_TIMEOUT_S = 10.0
 
     def __init__(self, config: cluster_lib.ClusterConfig, scheduler: str | None = None, *,
                  scheduler_options: dict | None = None, rpc_timeout_s: float = 120.0,
@@ -159,6 +160,7 @@ class Engine:
         self._lock = threading.Lock()  # The scheduler, the gradients, the in-flight counts.
         self._idle = threading.Condition(self._lock)
         self._grads: dict[tuple[int, int], list] = {}  # (ps key, step) -> [Grad, unsent parts]
+        self._arrived_of_step: dict[int, int] = {}  # step -> gradients arrived so far
         self._rpcs = [0] * len(self._clients)
         self._rpc_free = [threading.Condition(self._lock) for _ in self._clients]
         self._send_queues = [queue.Queue() for _ in self._clients]
@@ -252,11 +254,23 @@ class Engine:
             partitions = self._partitions_of[key]
             priority = self._specs[key].priority
             with self._lock:
+                if (key, grad.step) in self._grads:
+                    # Its buffer may still be read by a sender: never replace it.
+                    _native.release_grad(grad.handle)
+                    raise RuntimeError(f"a second gradient arrived for variable key {grad.key} "
+                                       f"at step {grad.step}")
                 self._grads[key, grad.step] = [grad, len(partitions)]
                 for p in partitions:
                     self._scheduler.add(schedulers.ReadyItem(
                         key=key, partition=p.partition, ps_index=p.ps_index, step=grad.step,
                         priority=priority, nbytes=p.nbytes, ready_ns=grad.ready_ns))
+                arrived = self._arrived_of_step.pop(grad.step, 0) + 1
+                if arrived == len(self._specs):
+                    # The step's backprop is over (the last step of fit too):
+                    # nothing is held back for gradients that will not come.
+                    self._scheduler.flush()
+                else:
+                    self._arrived_of_step[grad.step] = arrived
                 self._drain_locked()
 
     def _drain_locked(self) -> None:
@@ -368,8 +382,8 @@ class Engine:
                             "pull", ps_index, (native_key,), chunk.array.nbytes, version,
                             previous, arrived))
                     previous = arrived
-                    self._deliver_partition(chunk, version)
-                    owned.pop(0)  # Partitions arrive in the order asked for.
+                    # Partitions arrive in the order asked for.
+                    self._deliver_partition(chunk, owned.pop(0), version)
             except Exception as e:
                 if self._stop.is_set():
                     return
@@ -385,22 +399,32 @@ class Engine:
                 raise RuntimeError(f"pull of version {version} from PS {ps_index} at "
                                    f"{client.address} failed: {_rpc_message(e)}") from e
 
-    def _deliver_partition(self, chunk, version: int) -> None:
-        key = chunk.key
-        native_key = self._native_keys[key]
-        partition = self._partitions_of[key][chunk.partition]
-        offset = partition.row_begin * self._row_bytes[key]
-        with self._assembly_lock:
-            entry = self._assembly.get((key, version))
-            if entry is None:
-                address = _native.deliver_begin(native_key, version)
-                entry = self._assembly[key, version] = [address, len(self._partitions_of[key])]
+    def _deliver_partition(self, chunk, expected: sharding.Partition, version: int) -> None:
+        """Checks a pulled chunk against the partition asked for, then stages it."""
+        key = expected.key
+        if (chunk.key, chunk.partition) != (key, expected.partition) or chunk.version < version:
+            raise RuntimeError(
+                f"PS {expected.ps_index} sent another partition than the one asked for: "
+                f"expected key {key} partition {expected.partition} at version >= {version}. "
+                f"Received: key {chunk.key} partition {chunk.partition} version {chunk.version}")
         data = chunk.array
-        if data.nbytes:
-            ctypes.memmove(entry[0] + offset, data.ctypes.data, data.nbytes)
+        spec = self._specs[key]
+        if data.nbytes != expected.nbytes or codec.dtype_name(data.dtype) != spec.dtype:
+            raise RuntimeError(
+                f"PS {expected.ps_index} sent key {key} partition {expected.partition} with "
+                f"{data.nbytes} bytes of {codec.dtype_name(data.dtype)}; the partition holds "
+                f"{expected.nbytes} bytes of {spec.dtype}")
+        native_key = self._native_keys[key]
         with self._assembly_lock:
-            entry[1] -= 1
-            done = entry[1] == 0
+            remaining = self._assembly.get((key, version))
+            if remaining is None:
+                _native.deliver_begin(native_key, version)
+                remaining = self._assembly[key, version] = [len(self._partitions_of[key])]
+        # Bounds-checked by the runtime; disjoint partitions copy in parallel.
+        _native.deliver_write(native_key, version, expected.row_begin * self._row_bytes[key], data)
+        with self._assembly_lock:
+            remaining[0] -= 1
+            done = remaining[0] == 0
             if done:
                 del self._assembly[key, version]
         if done:
@@ -465,7 +489,7 @@ class Engine:
         return False
 
     def shutdown(self, flush_timeout_s: float = 30.0) -> None:
-        """Pushes what is pending, writes the timeline, stops the threads."""
+        """Pushes what is pending, writes the timeline, stops and joins the threads."""
         if self._started and not self._stop.is_set():
             flushed = self.flush(flush_timeout_s)
             self.write_timeline()
@@ -473,10 +497,17 @@ class Engine:
             if flushed:  # Otherwise the PS must not count the unsent steps as pushed.
                 self._leave()
         self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=2.0)
+        # Closing the channels first cancels any RPC a thread still waits on
+        # (a pull of a version that will never come), so every thread ends
+        # here, before the interpreter tears down what they use.
         for client in getattr(self, "_clients", []):
             client.close()
+        for thread in self._threads:
+            thread.join(timeout=self.JOIN_TIMEOUT_S)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            logger.warning("worker %d: engine threads still running after %.0f s: %s",
+                           self.worker_id, self.JOIN_TIMEOUT_S, ", ".join(alive))
 
     def write_timeline(self) -> str | None:
         """Writes this worker's timeline (if enabled); returns its path."""

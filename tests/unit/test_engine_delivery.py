@@ -1,0 +1,98 @@
+"""The engine's checks on what a PS sends back, against the real op runtime.
+
+A pulled chunk is staged only when it is the partition the engine asked for,
+at the version asked for or later, with that partition's dtype and size; any
+other chunk fails with a message naming both, and nothing is staged.
+"""
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from prophet_tf import _native
+from prophet_tf.engine.engine import Engine
+from prophet_tf.ps import sharding
+from prophet_tf.ps.client import PulledChunk
+from prophet_tf.ps.v1 import ps_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+NATIVE_KEY = 7  # the op library's key of PS key 0
+SHAPE = (4, 3)  # 4 rows of 12 bytes, in two partitions of 2 rows
+
+
+@pytest.fixture
+def engine():
+    _native.reset()
+    _native.declare_param(NATIVE_KEY, tf.float32, SHAPE)
+    e = Engine.__new__(Engine)  # Only the delivery state: no cluster, no threads.
+    e._specs = [ps_pb2.VariableSpec(key=0, name="w", shape=SHAPE, dtype="float32", priority=0)]
+    e._native_keys = [NATIVE_KEY]
+    parts = [sharding.Partition(0, 0, 0, 0, 2, 24), sharding.Partition(0, 1, 1, 2, 4, 24)]
+    e._partitions_of = {0: parts}
+    e._row_bytes = [12]
+    e._assembly, e._assembly_lock = {}, threading.Lock()
+    yield e, parts
+    _native.reset()
+
+
+def chunk(partition, version, rows=2, dtype=np.float32, key=0):
+    values = np.arange(rows * 3, dtype=dtype) + 100 * partition + version
+    return PulledChunk(key, partition, version, values)
+
+
+def staged(version):
+    return _native.await_param(version, key=NATIVE_KEY, dtype=tf.float32, shape=SHAPE).numpy()
+
+
+def test_partitions_are_assembled_and_published_once_all_arrived(engine):
+    e, parts = engine
+    e._deliver_partition(chunk(1, 3), parts[1], 3)  # any order, from either PS
+    assert _native.param_version(NATIVE_KEY) is None
+    e._deliver_partition(chunk(0, 4), parts[0], 3)  # a newer version is fine
+    np.testing.assert_array_equal(
+        staged(3), np.concatenate([chunk(0, 4).array, chunk(1, 3).array]).reshape(SHAPE))
+    assert e._assembly == {}
+
+
+@pytest.mark.parametrize("bad,message", [
+    (chunk(1, 3), "expected key 0 partition 0 at version >= 3. Received: key 0 partition 1"),
+    (chunk(0, 3, key=1), "Received: key 1 partition 0"),
+    (chunk(0, 2), "Received: key 0 partition 0 version 2"),
+    (chunk(0, 3, rows=3), "with 36 bytes of float32; the partition holds 24 bytes"),
+    (chunk(0, 3, rows=1), "with 12 bytes of float32; the partition holds 24 bytes"),
+    (chunk(0, 3, dtype=np.float64), "48 bytes of float64"),
+    (chunk(0, 3, rows=4, dtype=np.float16), "24 bytes of float16; the partition holds 24 bytes of float32"),
+])
+def test_a_chunk_other_than_the_one_asked_for_stages_nothing(engine, bad, message):
+    e, parts = engine
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        e._deliver_partition(bad, parts[0], 3)
+    e._deliver_partition(chunk(1, 3), parts[1], 3)
+    assert _native.param_version(NATIVE_KEY) is None  # never published
+
+
+def test_a_second_gradient_for_the_same_variable_and_step_fails_and_keeps_the_first(engine):
+    import queue
+
+    from prophet_tf.engine import schedulers
+    e, parts = engine
+    variable = tf.Variable(tf.zeros(SHAPE))
+    e._stop = threading.Event()
+    e._ps_key_of = {NATIVE_KEY: 0}
+    e._last_step, e._learning_rate, e._recorder = -1, None, None
+    e._lock = threading.Lock()
+    e._grads, e._arrived_of_step = {}, {}
+    e._scheduler = schedulers.make_scheduler("fifo")
+    e._send_queues = [queue.Queue(), queue.Queue()]
+    e._pull_queues = [queue.Queue(), queue.Queue()]
+    first = tf.ones(SHAPE)
+    _native.push_grad(variable.handle, first, key=NATIVE_KEY, step=0)
+    _native.push_grad(variable.handle, 2 * first, key=NATIVE_KEY, step=0)
+    with pytest.raises(RuntimeError, match="a second gradient arrived for variable key 7 at step 0"):
+        e._pump()
+    grad, unsent = e._grads[0, 0]
+    assert unsent == 2 and grad.view().tolist() == [1.0] * 12  # the first, still readable
+    assert _native.outstanding_grads() == 1  # the second was released
+    assert [len(q.get_nowait()) for q in e._send_queues] == [1, 1]  # the first step is sent

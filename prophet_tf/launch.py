@@ -18,10 +18,10 @@ times. ``--checkpoint-dir D`` gives PS task i ``--checkpoint-dir D/ps-<i>``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,21 +36,15 @@ logger = logging.getLogger(__name__)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_LEVEL_ENV = "PROPHET_TF_LOG_LEVEL"
 
-_PR_SET_PDEATHSIG = 1
-# Loaded here, not in the child: dlopen between fork and exec can deadlock
-# when another thread (a relay) held the loader's lock at fork time.
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-
-
-def _die_with_parent(parent_pid: int):
-    def preexec():  # Runs in the child between fork and exec.
-        # The launcher's SIGTERM handler is inherited until exec: a death
-        # signal arriving now would only set its flag. Default action instead.
-        _libc.signal(signal.SIGTERM, ctypes.c_void_p(0))  # SIG_DFL
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # The launcher died before prctl took effect.
-            os._exit(128 + signal.SIGTERM)
-    return preexec
+def _check_executable(program: str, env: dict[str, str]) -> None:
+    """Raises what Popen would for a program that cannot run (a missing or non-executable file)."""
+    if os.sep in program:
+        if not os.path.exists(program):
+            raise FileNotFoundError(2, "No such file or directory", program)
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            raise PermissionError(13, "Permission denied", program)
+    elif shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+        raise FileNotFoundError(2, "No such file or directory (not on PATH)", program)
 
 
 class _Interrupted(Exception):
@@ -66,9 +60,11 @@ class Task:
         self.status_file = env.get(progress.STATUS_FILE_ENV)
         self._terminated = False
         logger.debug("starting %s: %s", name, " ".join(argv))
+        _check_executable(argv[0], env)  # The shim below would only exit 127.
+        # No preexec_fn: see prophet_tf/_die_with_parent.py for why.
         self.process = subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid()))
+            [sys.executable, "-m", "prophet_tf._die_with_parent", str(os.getpid()), *argv],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self._relay = threading.Thread(target=self._pump, name=f"relay-{name}", daemon=True)
         self._relay.start()
 

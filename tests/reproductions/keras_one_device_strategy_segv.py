@@ -5,8 +5,8 @@
 
 Each cycle is fit (one epoch of numpy data) -> evaluate -> predict, as at the end
 of the quickstart. With TensorFlow 2.21 on the 2-core development machine, with
-a busy-looping process beside it, both of the first two runs died with SIGSEGV,
-in cycles 12 and 39, in `evaluate` (EpochIterator.reset). The core
+a busy-looping process beside it, each of 5 runs died with SIGSEGV, in
+cycles 2, 12, 14, 19 and 39, in `evaluate` (EpochIterator.reset). The core
 dump's crashing thread:
 
     #4  0x0000000000000001 in ?? ()

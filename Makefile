@@ -10,13 +10,19 @@ OPS_SOURCES := $(shell find ops -name '*.cc' -o -name '*.h')
 PROTOS := $(shell find protos -name '*.proto')
 STAMP := $(VENV)/.prophet_tf-installed
 
-.PHONY: demo test install build bench clean
+.PHONY: demo test test-long install build bench clean
 
 demo: build
 	$(PY) -m prophet_tf launch --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
 test: build
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+# The long variants (marked slow) alone: the full demo's accuracy, the
+# 10,000-request fuzz, the 200-step load test, the sanitizer runs. CI runs
+# them after `make test`.
+test-long: build
+	$(PY) -m pytest -q -p no:cacheprovider --runslow -m slow --durations=15
 
 install: $(STAMP)
 

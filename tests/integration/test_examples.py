@@ -111,15 +111,17 @@ def test_functional_callbacks_crash_and_restart(tmp_path):
 # -- the original example ----------------------------------------------------------------------
 
 
-@pytest.mark.slow  # `make demo` runs this example in full; `pytest --runslow` runs this test
-@pytest.mark.timeout(300)
-def test_train_digits_one_epoch():
+@pytest.mark.slow  # `make demo` in full: CI runs it (`make test-long`), `make test` does not
+@pytest.mark.timeout(900)
+def test_train_digits_reaches_the_readmes_accuracy():
+    """The README's quickstart claim: 0.9833 on the whole test set after `make demo`'s 8 epochs."""
     result = _launch(["--workers", "2", "--ps", "1", "--", sys.executable,
-                      str(EXAMPLES / "train_digits.py"), "--epochs", "1"], timeout=280)
+                      str(EXAMPLES / "train_digits.py")], timeout=880)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     whole = _lines(result.stdout, r"^\[worker (\d)\] .*whole test set \(360 images\): "
                                   r"accuracy (\d\.\d+)")
-    assert len(whole) == 2 and whole[0][2] == whole[1][2] and float(whole[0][2]) > 0.3
+    assert len(whole) == 2 and whole[0][2] == whole[1][2], result.stdout[-3000:]
+    assert float(whole[0][2]) >= 0.95, result.stdout[-3000:]
 
 
 # -- multi_host/tf_config.py -----------------------------------------------------------------

@@ -840,9 +840,10 @@ def run_fuzz(start_ps, total, seed):
         print(f"PS memory (MB): before the fuzz VmRSS {before['VmRSS']:.0f}, VmHWM "
               f"{before['VmHWM']:.0f}; VmRSS after each quarter {quarters}; after the big "
               f"messages VmRSS {after['VmRSS']:.0f}, VmHWM {after['VmHWM']:.0f}")
-        assert not problems, "\n".join(problems[:30])
+        replay = f"fuzz seed {seed} (replay: PROPHET_TF_FUZZ_SEED={seed})"
+        assert not problems, replay + "\n" + "\n".join(problems[:30])
         bad_log = log_problems(ps.log())
-        assert not bad_log, "\n\n".join(bad_log[:5])
+        assert not bad_log, replay + "\n" + "\n\n".join(bad_log[:5])
         assert sent >= total
         assert memory[-1]["VmRSS"] < before["VmRSS"] + RSS_BOUND_MB
         bound = max(GROWTH_FLOOR_MB, GROWTH_KB_PER_REQUEST * total / rounds / 1024)
@@ -879,6 +880,13 @@ def fuzz_seed():
 @pytest.mark.timeout(240)
 def test_fuzz_short(start_ps):
     run_fuzz(start_ps, 1500, fuzz_seed())
+
+
+# Seeds that once ran here, replayed on every run so a fixed corpus is always covered.
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("seed", [1, 20261130])
+def test_fuzz_fixed_seeds(start_ps, seed):
+    run_fuzz(start_ps, 600, seed)
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ newest.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -96,6 +97,9 @@ _WHOLE_VARIABLE = {"Lamb", "Adafactor"}
 _SUM_DTYPES = {"float16": np.float32, "bfloat16": np.float32,
                "float32": np.float32, "float64": np.float64}
 _PULL_POLL_SECONDS = 1.0
+# Pulls one worker may have waiting at once (its engine needs one per PS). With
+# W workers that is 4W threads of the server pool of 16 + 8W (server.py).
+MAX_PULLS_PER_WORKER = 4
 
 
 class RpcError(Exception):
@@ -235,6 +239,8 @@ class ParameterServerServicer:
         # by callbacks on the workers; absent: the optimizer's own).
         self._learning_rates: dict[int, float] = {}
         self._parts: dict[tuple[int, int], _Part] = {}
+        self._pulls = collections.Counter()  # worker -> pulls in progress
+        self._rejections = _RejectionLog()
         self._applies: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._closed = False
@@ -253,29 +259,49 @@ class ParameterServerServicer:
     def Heartbeat(self, request, context):
         return self._answer(self._heartbeat, "Heartbeat", request, context)
 
-    @staticmethod
-    def _answer(handler, rpc: str, request, context):
+    def _answer(self, handler, rpc: str, request, context):
         """Runs a unary handler; its RpcError becomes the call's status."""
         try:
             return handler(request)
         except RpcError as e:
-            logger.info("%s from worker %d rejected: %s", rpc, request.worker_id, e.message)
+            self._rejections.log(rpc, request, e)
             context.abort(e.code, e.message)
 
     def Pull(self, request, context) -> Iterator[bytes]:
-        """Yields serialized ``ParameterChunk`` messages (see server.py)."""
+        """Yields serialized ``ParameterChunk`` messages (see server.py).
+
+        A waiting pull holds one of the server's threads, so each worker may
+        have at most MAX_PULLS_PER_WORKER in progress: no client can tie up
+        the thread pool with pulls of versions that never come.
+        """
         try:
             parts = self._pull_targets(request)
+            self._begin_pull(request.worker_id)
         except RpcError as e:
+            self._rejections.log("Pull", request, e)
             context.abort(e.code, e.message)
-        for part in parts:
-            try:
-                data = self._wait_version(part, request.min_version, context)
-            except RpcError as e:
-                context.abort(e.code, e.message)
-            if data is None:  # the client went away
-                return
-            yield data
+        try:
+            for part in parts:
+                try:
+                    data = self._wait_version(part, request.min_version, context)
+                except RpcError as e:
+                    self._rejections.log("Pull", request, e)
+                    context.abort(e.code, e.message)
+                if data is None:  # the client went away
+                    return
+                yield data
+        finally:
+            with self._lock:
+                self._pulls[request.worker_id] -= 1
+
+    def _begin_pull(self, worker_id: int) -> None:
+        with self._lock:
+            if self._pulls[worker_id] >= MAX_PULLS_PER_WORKER:
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"worker {worker_id} already has {MAX_PULLS_PER_WORKER} pulls "
+                               "in progress on this PS (the limit; a worker needs one). "
+                               f"Received: a Pull from worker_id={worker_id}")
+            self._pulls[worker_id] += 1
 
     # -------------------------------------------------------------- Register
 
@@ -975,6 +1001,33 @@ class ParameterServerServicer:
     def value(self, key: int, partition: int = 0) -> np.ndarray:
         with self._apply_lock:
             return self._read(self._parts[key, partition]).copy()
+
+
+class _RejectionLog:
+    """Logs rejected requests, at most one per RPC kind every INTERVAL_S.
+
+    A client sending bad requests in a loop must not fill the disk or slow the
+    PS with log lines; the count of those left out is logged with the next.
+    """
+
+    INTERVAL_S = 5.0
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._skipped = collections.Counter()
+
+    def log(self, rpc: str, request, error: RpcError) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(rpc, -math.inf) < self.INTERVAL_S:
+                self._skipped[rpc] += 1
+                return
+            self._last[rpc] = now
+            skipped = self._skipped.pop(rpc, 0)
+        logger.info("%s from worker %s rejected: %s%s", rpc, getattr(request, "worker_id", "?"),
+                    error.message,
+                    f" ({skipped} more {rpc} rejections not logged)" if skipped else "")
 
 
 def _learning_rate_of(request) -> float | None:

@@ -541,3 +541,50 @@ def test_a_conflicting_model_fails_the_waiting_pulls_of_the_others(make_servicer
     expect_abort(servicer.Pull, pull,
                  grpc.StatusCode.FAILED_PRECONDITION, "worker 1 declared another model",
                  "shape=[6, 5]")
+
+
+def test_pulls_waiting_per_worker_are_bounded_and_freed_when_they_end(ready):
+    """Pulls of a version that never comes cannot tie up the server's threads."""
+    from prophet_tf.ps.servicer import MAX_PULLS_PER_WORKER
+    servicer, _ = ready
+    request = ps_pb2.PullRequest(worker_id=1, min_version=99, items=[
+        ps_pb2.KeyPartition(key=1, partition=0)])
+    contexts = [Context(timeout=2.0) for _ in range(MAX_PULLS_PER_WORKER)]
+    outcomes = []
+
+    def wait(context):
+        try:
+            list(servicer.Pull(request, context))
+        except Aborted as e:
+            outcomes.append(e.args[0])
+
+    threads = [threading.Thread(target=wait, args=(c,)) for c in contexts]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while servicer._pulls[1] < MAX_PULLS_PER_WORKER and time.monotonic() < deadline:
+        time.sleep(0.01)
+    expect_abort(servicer.Pull, request, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 f"worker 1 already has {MAX_PULLS_PER_WORKER} pulls in progress")
+    # Another worker is not affected, and neither is worker 1 once its pulls end.
+    assert pull(servicer, 0)[1]
+    for t in threads:
+        t.join(10)
+    assert outcomes == [grpc.StatusCode.DEADLINE_EXCEEDED] * MAX_PULLS_PER_WORKER
+    assert servicer._pulls[1] == 0
+    request.min_version = 0
+    assert len(list(servicer.Pull(request, Context()))) == 1
+
+
+def test_rejections_are_logged_at_most_once_per_interval_with_a_count(ready, caplog):
+    servicer, _ = ready
+    bad = ps_pb2.HeartbeatRequest(worker_id=7)
+    with caplog.at_level("INFO", logger="prophet_tf.ps.servicer"):
+        for _ in range(50):
+            expect_abort(servicer.Heartbeat, bad, grpc.StatusCode.INVALID_ARGUMENT, "worker_id")
+    lines = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(lines) == 1 and "Heartbeat from worker 7 rejected" in lines[0], lines
+    servicer._rejections._last["Heartbeat"] -= servicer._rejections.INTERVAL_S
+    with caplog.at_level("INFO", logger="prophet_tf.ps.servicer"):
+        expect_abort(servicer.Heartbeat, bad, grpc.StatusCode.INVALID_ARGUMENT, "worker_id")
+    assert "(49 more Heartbeat rejections not logged)" in caplog.records[-1].getMessage()

@@ -42,6 +42,7 @@ MAX_PARTITION_BYTES = 2048
 SGD1 = json.dumps({"module": "keras.optimizers", "class_name": "SGD",
                    "config": {"name": "SGD", "learning_rate": 1.0}, "registered_name": None})
 RETRYABLE = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+RETRY_FOR_S = 30.0  # how long a timed-out push is retried before the worker gives up
 
 
 def specs():
@@ -114,13 +115,17 @@ class Worker:
                 if e.code() not in RETRYABLE:
                     raise
                 self.counts["deadline_exceeded"] += 1
+                # Retried for a bounded time: a PS that died must fail the run
+                # with its error, not leave it retrying until pytest's timeout.
+                give_up = time.monotonic() + RETRY_FOR_S
                 while True:
                     try:
                         duplicates = client.push(chunks, timeout=60)
                         break
                     except grpc.RpcError as retry_error:
-                        if retry_error.code() not in RETRYABLE:
+                        if retry_error.code() not in RETRYABLE or time.monotonic() > give_up:
                             raise
+                        time.sleep(0.05)
                 self.check(duplicates in (0, n), f"a retry found {duplicates} of {n} counted")
                 self.counts["processed_before_timeout"] += duplicates == n
                 self.counts["duplicates"] += duplicates

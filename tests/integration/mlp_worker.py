@@ -1,7 +1,7 @@
 """Worker for the overlap and scheduling tests: fits an MLP for a few steps.
 
 Usage: python mlp_worker.py OUT_PREFIX STEPS [--inputs N] [--units A,B,...]
-           [--batch GLOBAL] [--optimizer sgd|adam]
+           [--batch GLOBAL] [--optimizer sgd|adam] [--backward-delay-ms MS]
 Writes OUT_PREFIX.<worker>.npz: the final weights (arr_0...), the scheduler's
 name, the variables' op-library keys in forward order, and with --stamps the
 op-library stamps. The scheduler and the timeline come from the environment (prophet-tf
@@ -9,6 +9,7 @@ launch --scheduler; PROPHET_TF_TIMELINE).
 """
 import argparse
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -20,6 +21,31 @@ import prophet_tf  # noqa: E402
 from prophet_tf import _native  # noqa: E402
 
 
+class BackwardDelay(keras.layers.Layer):
+    """Identity forward; its backward waits `seconds` before passing the gradient on.
+
+    Placed after the first layer, it makes the first layer's gradient ready a
+    known time after all the others, whatever the machine's load.
+    """
+
+    def __init__(self, seconds: float, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds
+
+    def call(self, x):
+        seconds = self.seconds
+
+        @tf.custom_gradient
+        def delayed(x):
+            def grad(dy):
+                slept = tf.py_function(lambda: time.sleep(seconds) or 0, [], tf.int32)
+                with tf.control_dependencies([slept]):
+                    return tf.identity(dy)
+            return tf.identity(x), grad
+
+        return delayed(x)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_prefix")
@@ -28,6 +54,8 @@ def main():
     parser.add_argument("--units", default="64,128,256,128", help="hidden layer widths")
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    parser.add_argument("--backward-delay-ms", type=float, default=0.0,
+                        help="the first layer's gradient becomes ready this much later")
     parser.add_argument("--stamps", action="store_true",
                         help="save (and so take) the stamps; the timeline then has none")
     args = parser.parse_args()
@@ -36,9 +64,11 @@ def main():
     keras.utils.set_random_seed(0)
     strategy = prophet_tf.Strategy()
     with strategy.scope():
-        model = keras.Sequential([keras.Input((args.inputs,))] + [
-            keras.layers.Dense(int(units), activation="relu") for units in args.units.split(",")
-        ] + [keras.layers.Dense(10)])
+        layers = [keras.layers.Dense(int(units), activation="relu")
+                  for units in args.units.split(",")] + [keras.layers.Dense(10)]
+        if args.backward_delay_ms:
+            layers.insert(1, BackwardDelay(args.backward_delay_ms / 1000))
+        model = keras.Sequential([keras.Input((args.inputs,))] + layers)
         optimizer = (keras.optimizers.SGD(0.01) if args.optimizer == "sgd"
                      else keras.optimizers.Adam(1e-3))
         model.compile(optimizer=optimizer,

@@ -93,11 +93,15 @@ def test_clients_that_send_no_heartbeat_are_not_watched(make_servicer):
 
 
 def test_heartbeats_keep_a_slow_worker_alive(make_servicer):
-    servicer = make_servicer(worker_timeout_s=0.5)
+    # Heartbeats every 0.1 s against a 3 s limit: a loaded machine would have
+    # to stall this thread 30 times longer than asked to fail it; 4 s of them
+    # outlast the limit, so without them the job would fail.
+    servicer = make_servicer(worker_timeout_s=3.0)
     cfg = config(keras.optimizers.SGD(1.0))
     register(servicer, 0, cfg, initial())
     register(servicer, 1, cfg)
-    for _ in range(15):  # 1.5 s, three times the timeout
+    end = time.monotonic() + 4.0
+    while time.monotonic() < end:
         assert heartbeat(servicer, 0) == "" and heartbeat(servicer, 1) == ""
         time.sleep(0.1)
     assert servicer.failure is None

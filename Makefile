@@ -6,11 +6,12 @@ PIP    := $(PY) -m pip
 # What the build itself needs (pyproject.toml [build-system]); installed into
 # the venv so the editable build can skip pip's isolated build environment.
 BUILD_DEPS := "setuptools>=64" wheel "tensorflow-cpu>=2.21,<2.22" "grpcio-tools>=1.85.1,<1.86"
-OPS_SOURCES := $(shell find ops -name '*.cc' -o -name '*.h')
+# The op library's sources; ops/tests/ holds standalone test programs.
+OPS_SOURCES := $(shell find ops -path ops/tests -prune -o \( -name '*.cc' -o -name '*.h' \) -print)
 PROTOS := $(shell find protos -name '*.proto')
 STAMP := $(VENV)/.prophet_tf-installed
 
-.PHONY: demo test test-long install build bench clean
+.PHONY: demo test test-long install build bench clean sanitize
 
 demo: build
 	$(PY) -m prophet_tf launch --workers 2 --ps 1 -- $(PY) examples/train_digits.py
@@ -48,6 +49,12 @@ bench: build
 	$(PY) benchmarks/bench_ops.py
 	$(PY) benchmarks/bench_transport.py
 	$(PY) benchmarks/bench_scheduler.py
+
+# Stress ops/runtime.cc from 8 threads under AddressSanitizer + UBSan, then
+# ThreadSanitizer, 30 s each (links runtime.cc directly, not the op library).
+sanitize: $(STAMP)
+	$(PY) ops/tests/build_stress.py --mode asan --run 30
+	$(PY) ops/tests/build_stress.py --mode tsan --run 30
 
 clean:
 	rm -rf build *.egg-info prophet_tf/_prophet_ops.so prophet_tf/_build_info.json \

@@ -375,15 +375,20 @@ class Engine:
             try:
                 for chunk in client.pull(owned, version, timeout=self.rpc_timeout_s):
                     arrived = time.monotonic_ns()
-                    native_key = self._native_keys[chunk.key]
+                    if not owned:
+                        raise RuntimeError(f"PS {ps_index} sent more partitions than asked for. "
+                                           f"Received: key {chunk.key} partition "
+                                           f"{chunk.partition} version {chunk.version}")
+                    expected = owned.pop(0)  # Partitions arrive in the order asked for.
+                    # The key asked for, not the wire's: _deliver_partition checks that.
+                    native_key = self._native_keys[expected.key]
                     _native.stamp(native_key, version, EngineStamp.PULL_RECEIVED)
                     if self._recorder is not None:
                         self._recorder.transfer(timeline_lib.Transfer(
                             "pull", ps_index, (native_key,), chunk.array.nbytes, version,
                             previous, arrived))
                     previous = arrived
-                    # Partitions arrive in the order asked for.
-                    self._deliver_partition(chunk, owned.pop(0), version)
+                    self._deliver_partition(chunk, expected, version)
             except Exception as e:
                 if self._stop.is_set():
                     return

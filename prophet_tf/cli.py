@@ -13,9 +13,9 @@ import sys
 
 _COMMANDS = {
     "ps": ("prophet_tf.ps.server", "run a parameter-server task (from TF_CONFIG or flags)"),
-    "launch": ("prophet_tf.launch", "start PS tasks and worker processes on localhost"),
-    "doctor": ("prophet_tf.doctor", "check versions, the op library and the PS tasks of TF_CONFIG"),
-    "plot": ("prophet_tf.plot", "draw timelines (Gantt chart per worker) or a bench result"),
+    "launch": ("prophet_tf.tools.launch", "start PS tasks and worker processes on localhost"),
+    "doctor": ("prophet_tf.tools.doctor", "check versions, the op library and the PS tasks of TF_CONFIG"),
+    "plot": ("prophet_tf.tools.plot", "draw timelines (Gantt chart per worker) or a bench result"),
     "bench": ("prophet_tf.bench.runner", "compare schedulers on an emulated bandwidth-limited cluster"),
     "simulate": ("prophet_tf.bench.simulate", "simulate the schedulers on a profiled model at any scale"),
 }

@@ -72,7 +72,7 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
       scheduler_options: the scheduler's options as a dict (see README).
       rpc_timeout_s: deadline for each RPC and for waiting on a parameter.
       timeline: path of the Chrome-trace timeline each worker writes at exit
-        (see prophet_tf.timeline); None reads PROPHET_TF_TIMELINE.
+        (see prophet_tf.engine.timeline); None reads PROPHET_TF_TIMELINE.
 
     Raises:
       ValueError: the cluster description is malformed, this task is not a
@@ -86,9 +86,11 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
         if not config.is_worker:
             raise ValueError("prophet_tf.Strategy runs on worker tasks; a ps task runs "
                              f"`prophet-tf ps`. Received: task type={config.task_type!r}")
+        from prophet_tf.bench import shaping  # PROPHET_TF_SHAPE_MBIT: the bench's fallback
         from prophet_tf.engine import Engine  # Imports grpc; keep it out of module import.
         engine = Engine(config, scheduler=scheduler, scheduler_options=scheduler_options,
-                        rpc_timeout_s=rpc_timeout_s, timeline=timeline)
+                        rpc_timeout_s=rpc_timeout_s, timeline=timeline,
+                        make_shapers=shaping.from_env)
         _native.load()  # Fail here, with the rebuild hint, if the op library is broken.
         distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine))
 

@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 
 from prophet_tf import _native, codec, progress
-from prophet_tf import timeline as timeline_lib
+from prophet_tf.engine import timeline as timeline_lib
 from prophet_tf import cluster as cluster_lib
 from prophet_tf.engine import schedulers
 from prophet_tf.ps import sharding
@@ -65,7 +65,9 @@ class Engine:
       rpc_timeout_s: deadline of each RPC; a wait for a version is renewed
         after it while the heartbeats say every task is alive.
       timeline: where to write the Chrome-trace timeline (see
-        prophet_tf.timeline); None reads PROPHET_TF_TIMELINE; "" disables.
+        prophet_tf.engine.timeline); None reads PROPHET_TF_TIMELINE; "" disables.
+      make_shapers: called once per PS link for the link shaping its client
+        applies (see prophet_tf.bench.shaping.from_env); None: no shaping.
 
     Raises:
       ValueError: an unknown scheduler or option, or a bad timeout.
@@ -82,7 +84,7 @@ class Engine:
 
     def __init__(self, config: cluster_lib.ClusterConfig, scheduler: str | None = None, *,
                  scheduler_options: dict | None = None, rpc_timeout_s: float = 120.0,
-                 timeline: str | None = None):
+                 timeline: str | None = None, make_shapers=None):
         spec = scheduler if scheduler is not None else os.environ.get(SCHEDULER_ENV, "fifo")
         name, options = schedulers.parse_scheduler(spec)
         options.update(scheduler_options or {})
@@ -95,6 +97,7 @@ class Engine:
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.timeline = os.environ.get(timeline_lib.TIMELINE_ENV, "") if timeline is None \
             else timeline
+        self._make_shapers = make_shapers
         self._started = False
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -143,7 +146,8 @@ class Engine:
             self.worker_id, {k: v.name for k, v in zip(self._native_keys, specs)}) \
             if self.timeline else None
         codec.tune_allocator()  # Recycle transfer buffers instead of page-faulting them in.
-        self._clients = [PSClient(address, self.worker_id, self.config.num_workers)
+        self._clients = [PSClient(address, self.worker_id, self.config.num_workers,
+                                  shapers=self._make_shapers() if self._make_shapers else None)
                          for address in self.config.ps]
         for client in self._clients:
             client.wait_ready(self.rpc_timeout_s)

@@ -20,7 +20,6 @@ import grpc
 import numpy as np
 
 from prophet_tf import codec
-from prophet_tf.bench import shaping
 from prophet_tf.ps import health, sharding
 from prophet_tf.ps import security as security_lib
 from prophet_tf.ps.server import MAX_MESSAGE_BYTES, SERVICE_NAME
@@ -103,13 +102,15 @@ class PSClient:
 
     def __init__(self, address: str, worker_id: int, num_workers: int, *,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, options: Sequence = (),
-                 security: security_lib.ClientSecurity | None = None):
+                 security: security_lib.ClientSecurity | None = None, shapers=None):
         self.address = address
         self.worker_id = worker_id
         self.num_workers = num_workers
         self.max_message_bytes = max_message_bytes
         self._security = security_lib.client_security() if security is None else security
-        self._shapers = shaping.from_env()  # None unless the bench shapes in the transport
+        # The bench's fallback link shaping, (push, pull) token buckets or None;
+        # made by the caller (prophet_tf.bench.shaping.from_env).
+        self._shapers = shapers
         self._channel = security_lib.create_channel(
             address, channel_options(max_message_bytes) + list(options), security=self._security)
         method = f"/{SERVICE_NAME}/"
@@ -250,8 +251,7 @@ class PSClient:
             call.cancel()
 
     def _shaper(self, direction: int):
-        """The bench's fallback link shaping (0: push, 1: pull), None unless
-        PROPHET_TF_SHAPE_MBIT is set; see prophet_tf.bench.shaping."""
+        """The link shaping the client was given (0: push, 1: pull), or None."""
         return self._shapers[direction] if self._shapers else None
 
     def heartbeat(self, steps_pushed: int, leaving: bool = False,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, run_ps
-from prophet_tf import doctor as doctor_lib
+from prophet_tf.tools import doctor as doctor_lib
 from prophet_tf.ps import security
 from tls_certs import make_cert
 

@@ -48,7 +48,7 @@ def _accuracies(output):
 @pytest.mark.parametrize("attempt", [1, 2])
 def test_quickstart_prophet_timeline_and_plot(tmp_path, attempt):
     """Run twice: a worker once died with SIGSEGV after fit here (README "How it works")."""
-    from prophet_tf import plot
+    from prophet_tf.tools import plot
     timeline = tmp_path / "timeline"
     result = _launch(["--workers", "2", "--ps", "1", "--scheduler", "prophet", "--",
                       sys.executable, str(EXAMPLES / "quickstart.py"), "--epochs", "1"],

@@ -337,7 +337,7 @@ class _DeadTask:
 def test_wait_healthy_gives_up_when_ps_died():
     import threading
 
-    from prophet_tf import launch
+    from prophet_tf.tools import launch
     with pytest.raises(RuntimeError, match="ps 0 exited with code 1 before it was SERVING"):
         launch._wait_healthy(_DeadTask(), "127.0.0.1:1", 60.0, threading.Event())
 
@@ -441,8 +441,8 @@ def test_log_level_debug_is_exported(progress_worker):
     assert result.returncode == 0, result.stdout + result.stderr
     (env,) = _envs(result.stdout)
     assert env["log_level"] == "DEBUG"
-    assert "DEBUG prophet_tf.launch: starting worker 0: " in result.stderr
-    assert "DEBUG prophet_tf.launch: starting ps 0: " in result.stderr
+    assert "DEBUG prophet_tf.tools.launch: starting worker 0: " in result.stderr
+    assert "DEBUG prophet_tf.tools.launch: starting ps 0: " in result.stderr
 
 
 @pytest.mark.timeout(120)

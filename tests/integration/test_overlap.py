@@ -21,7 +21,7 @@ import pytest
 from prophet_tf._native import StampKind
 from prophet_tf.bench import shaping
 from prophet_tf.engine import EngineStamp
-from prophet_tf.launch import launch
+from prophet_tf.tools.launch import launch
 
 STEPS = 8
 WORKER = os.path.join(os.path.dirname(__file__), "mlp_worker.py")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from prophet_tf.engine.schedulers import SCHEDULERS
-from prophet_tf.launch import launch
+from prophet_tf.tools.launch import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "mlp_worker.py")
 STEPS = 12  # Prophet plans after 2 warm-up and 5 profiled iterations.

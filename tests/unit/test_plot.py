@@ -1,6 +1,6 @@
 """`prophet-tf plot`: what it extracts from a timeline, the images it writes, its errors.
 
-The timelines are made by the real recorder (prophet_tf.timeline) from a
+The timelines are made by the real recorder (prophet_tf.engine.timeline) from a
 small worker played in virtual time, with plans from a real ProphetScheduler.
 """
 import json
@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from prophet_tf import plot, timeline
+from prophet_tf.engine import timeline
+from prophet_tf.tools import plot
 from prophet_tf.engine import schedulers
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -292,7 +293,7 @@ def test_missing_matplotlib_names_the_extra(timeline_files, tmp_path):
 
 @pytest.mark.timeout(150)
 def test_cli_dispatch_and_lazy_matplotlib(timeline_files, tmp_path):
-    result = _run("import sys, prophet_tf.plot, prophet_tf.cli, prophet_tf.launch\n"
+    result = _run("import sys, prophet_tf.tools.plot, prophet_tf.cli, prophet_tf.tools.launch\n"
                   "print('matplotlib' in sys.modules)")
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
     out = tmp_path / "cli.png"

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from prophet_tf import progress
+from prophet_tf.tools import board as board_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -138,7 +139,7 @@ def test_keras_callback_reports_epochs(tmp_path, monkeypatch):
 
 def _board(**kwargs):
     out, clock = io.StringIO(), Clock()
-    return progress.Board(out=out, clock=clock, **kwargs), out, clock
+    return board_lib.Board(out=out, clock=clock, **kwargs), out, clock
 
 
 def _lines(out):
@@ -223,11 +224,11 @@ def test_board_quiet_prints_failures_only():
 
 def test_board_rejects_negative_interval():
     with pytest.raises(ValueError, match="Received: -1"):
-        progress.Board(interval_s=-1)
+        board_lib.Board(interval_s=-1)
 
 
 def test_describe_exit():
-    assert progress.describe_exit(0) == "0"
-    assert progress.describe_exit(3) == "3"
-    assert progress.describe_exit(-9) == "-9 (SIGKILL)"
-    assert progress.describe_exit(-99) == "-99"
+    assert board_lib.describe_exit(0) == "0"
+    assert board_lib.describe_exit(3) == "3"
+    assert board_lib.describe_exit(-9) == "-9 (SIGKILL)"
+    assert board_lib.describe_exit(-99) == "-99"

@@ -374,7 +374,7 @@ def test_wait_serving_stops_when_alive_raises():
 
 def test_launcher_and_health_wait_import_no_tensorflow():
     code = ("import sys\n"
-            "import prophet_tf.launch\n"
+            "import prophet_tf.tools.launch\n"
             "from prophet_tf.ps import health, security\n"
             "try:\n"
             f"    health.wait_serving({_closed_address()!r}, 0.3)\n"

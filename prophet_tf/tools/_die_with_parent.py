@@ -1,4 +1,4 @@
-"""`python -m prophet_tf._die_with_parent PARENT_PID CMD...`: exec CMD, which dies with PARENT_PID.
+"""`python -m prophet_tf.tools._die_with_parent PARENT_PID CMD...`: exec CMD, which dies with PARENT_PID.
 
 `prophet-tf launch` starts every task through this instead of a
 ``preexec_fn``: a ``preexec_fn`` makes Python fork() (not vfork), which runs
@@ -19,7 +19,7 @@ _PR_SET_PDEATHSIG = 1
 
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or not argv[0].isdigit():
-        sys.exit("usage: python -m prophet_tf._die_with_parent PARENT_PID CMD [ARGS...]. "
+        sys.exit("usage: python -m prophet_tf.tools._die_with_parent PARENT_PID CMD [ARGS...]. "
                  f"Received: {argv!r}")
     parent_pid, command = int(argv[0]), argv[1:]
     libc = ctypes.CDLL(None, use_errno=True)

@@ -5,7 +5,7 @@
     prophet-tf plot bench.json -o bench.png
 
 The kind of file is told by its content: a Chrome-trace timeline (see
-prophet_tf.timeline; ``{"traceEvents": [...]}``) or a bench result
+prophet_tf.engine.timeline; ``{"traceEvents": [...]}``) or a bench result
 (``{"config": {...}, "results": [{"scheduler": ..., "step_time_s": ...}, ...]}``).
 
 Timelines: one panel per worker, with the steps A..B-1 (default: the last
@@ -123,7 +123,7 @@ def load(path: str) -> tuple[str, dict]:
 
 
 def parse_timeline(trace: dict, source: str = "<timeline>") -> WorkerTimeline:
-    """Turns a worker's Chrome trace (prophet_tf.timeline) into spans and marks.
+    """Turns a worker's Chrome trace (prophet_tf.engine.timeline) into spans and marks.
 
     Raises:
       PlotError: the trace is not a prophet_tf worker timeline or has no

@@ -30,6 +30,7 @@ import threading
 import time
 
 from prophet_tf import progress
+from prophet_tf.tools import board as board_lib
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ class Task:
         self._terminated = False
         logger.debug("starting %s: %s", name, " ".join(argv))
         _check_executable(argv[0], env)  # The shim below would only exit 127.
-        # No preexec_fn: see prophet_tf/_die_with_parent.py for why.
+        # No preexec_fn: see prophet_tf/tools/_die_with_parent.py for why.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "prophet_tf._die_with_parent", str(os.getpid()), *argv],
+            [sys.executable, "-m", "prophet_tf.tools._die_with_parent", str(os.getpid()), *argv],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self._relay = threading.Thread(target=self._pump, name=f"relay-{name}", daemon=True)
         self._relay.start()
@@ -260,7 +261,7 @@ class _Cluster:
           was interrupted).
         """
         tasks: list[Task] = []
-        board = progress.Board(interval_s=self.progress_interval_s, verbose=self.verbose)
+        board = board_lib.Board(interval_s=self.progress_interval_s, verbose=self.verbose)
         host, num_workers, num_ps = self.host, self.num_workers, self.num_ps
         try:
             with tempfile.TemporaryDirectory(prefix="prophet-tf-launch-") as tmp:
@@ -309,7 +310,7 @@ class _Cluster:
             board.print_summary(f"summary of attempt {attempt}" if attempt else "summary")
 
 
-def _stop_all(tasks: list[Task], board: progress.Board) -> None:
+def _stop_all(tasks: list[Task], board: board_lib.Board) -> None:
     """Stops and reaps every task still running; records how each ended."""
     running = {task.name for task in tasks if task.poll() is None}
     for task in tasks:  # Signal everyone first: the PS grace periods overlap.
@@ -322,7 +323,7 @@ def _stop_all(tasks: list[Task], board: progress.Board) -> None:
 
 
 def _supervise(tasks: list[Task], workers: list[Task], stopping: threading.Event,
-               board: progress.Board) -> tuple[int, str]:
+               board: board_lib.Board) -> tuple[int, str]:
     """Waits for all workers; the first failure (or a signal) stops everyone.
 
     Returns:

@@ -217,6 +217,19 @@ bool SameBuffer(const Tensor& a, const Tensor& b) {
   return a.tensor_data().data() == b.tensor_data().data();
 }
 
+// What a registered cancellation callback carries. 24 bytes, so std::function
+// keeps it in one heap block written by our (instrumented) code.
+struct CancelTicket {
+  int64_t key;
+  int64_t id;
+  int64_t step;
+};
+static_assert(sizeof(CancelTicket) > 2 * sizeof(void*),
+              "kept out of std::function's small buffer, which TensorFlow moves uninstrumented");
+
+class Runtime;
+Runtime& TheRuntime();
+
 class Runtime {
  public:
   absl::Status EnqueueGrad(int64_t key, int64_t step, const Tensor& grad, int64_t ready_ns) {
@@ -490,7 +503,12 @@ class Runtime {
           token = cm->get_cancellation_token();
           // Registered under mu_ (the pattern cancellation.h recommends): the
           // callback takes mu_, so it cannot run before the request is listed.
-          if (!cm->RegisterCallback(token, [this, key, id] { Cancel(key, id); })) {
+          // It reaches the runtime through TheRuntime() and reads its ticket
+          // only after taking mu_: the manager orders registration before the
+          // callback with its own mutex, which ThreadSanitizer cannot see in
+          // the uninstrumented TensorFlow library; mu_ makes that order visible.
+          const CancelTicket ticket{key, id, step};
+          if (!cm->RegisterCallback(token, [ticket] { TheRuntime().Cancel(ticket); })) {
             status = absl::CancelledError(
                 absl::StrCat("AwaitParam(key=", key, ", step=", step, ") was cancelled"));
           }
@@ -584,11 +602,16 @@ class Runtime {
   }
 
   // Cancellation callback of one pending AwaitParam.
-  void Cancel(int64_t key, int64_t id) {
+  // Runs inside the manager's StartCancel. `ticket` lives in the manager's
+  // callback storage: read it only under mu_ (see Await).
+  void Cancel(const CancelTicket& ticket) {
     AwaitCallback callback;
+    int64_t key = 0;
     int64_t step = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      key = ticket.key;
+      const int64_t id = ticket.id;
       auto it = params_.find(key);
       if (it == params_.end()) return;
       auto& pending = it->second.pending;

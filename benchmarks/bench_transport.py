@@ -37,9 +37,12 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # ps_helpers: cut gradients into chunks, write pulls back
 
 from prophet_tf import codec  # noqa: E402
+import ps_helpers  # noqa: E402
 from prophet_tf.ps import client as ps_client  # noqa: E402
+from prophet_tf.ps import protocol  # noqa: E402
 from prophet_tf.ps import sharding  # noqa: E402
 from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
 
@@ -92,7 +95,6 @@ def summary(seconds: list[float], nbytes: int) -> str:
 
 def bare_server(port_file: str) -> int:
     import grpc
-    from prophet_tf.ps import server
 
     codec.tune_allocator()
     payloads = {}
@@ -107,7 +109,7 @@ def bare_server(port_file: str) -> int:
             yield payload
 
     grpc_server = grpc.server(concurrent.futures.ThreadPoolExecutor(16),
-                              options=server.server_options())
+                              options=protocol.server_options())
     grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bare.Bare", {
         "Push": grpc.unary_unary_rpc_method_handler(push),
         "Pull": grpc.unary_stream_rpc_method_handler(pull)}),))
@@ -121,7 +123,7 @@ def bare_server(port_file: str) -> int:
 def bare_steps(port: int, sizes: list[int], reps: int, inflight: int) -> list[float]:
     import grpc
 
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=ps_client.channel_options())
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=protocol.channel_options())
     push = channel.unary_unary("/bare.Bare/Push")
     pull = channel.unary_stream("/bare.Bare/Pull")
     payloads = [b"\0" * size for size in sizes]
@@ -186,14 +188,14 @@ def main(argv=None) -> int:
             puller = concurrent.futures.ThreadPoolExecutor(1)
 
             def push_all(step):
-                chunks = ps_client.gradient_chunks(grads, partitions, step)
-                for f in [pool.submit(client.push, [c], 60) for c in chunks]:
+                chunks = ps_helpers.gradient_chunks(grads, partitions, step)
+                for f in [pool.submit(ps_helpers.push, client, [c], 60) for c in chunks]:
                     f.result()
 
             def pull_all(version):
                 n = 0
                 for chunk in client.pull(partitions, version, timeout=60):
-                    ps_client.write_chunk(chunk, out, by_id)
+                    ps_helpers.write_chunk(chunk, out, by_id)
                     n += 1
                 assert n == len(partitions)
 

@@ -8,7 +8,8 @@ of the Keras 3 optimizer that computes the same update.
 
 Only the built-in classes below convert: their update rules are the same in
 both Keras versions (checked in tests/unit/test_keras_compat.py). Anything
-else raises a `ValueError` naming it. tf_keras is never imported here unless
+else raises a `ValueError` naming it. Which optimizers and options the PS
+applies at all is decided in `prophet_tf.keras_optimizer`. tf_keras is never imported here unless
 the program already did.
 """
 from __future__ import annotations
@@ -20,14 +21,17 @@ from typing import Any, Callable
 
 import numpy as np
 
+from prophet_tf import keras_optimizer
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_autocast_variable", "is_optimizer", "is_tf_keras_optimizer",
            "keras3_optimizer_config", "learning_rate_reader"]
 
-# tf_keras optimizers whose Keras 3 class of the same name applies the same update.
-CONVERTIBLE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax",
-                          "Ftrl", "Lion", "Nadam", "Adafactor")
+# tf_keras optimizers whose Keras 3 class of the same name applies the same update:
+# those the PS supports (prophet_tf.keras_optimizer), but Lamb, which tf_keras lacks.
+CONVERTIBLE_OPTIMIZERS = tuple(kind for kind in keras_optimizer.SUPPORTED_OPTIMIZERS
+                               if kind != "Lamb")
 CONVERTIBLE_SCHEDULES = ("ExponentialDecay", "PiecewiseConstantDecay", "PolynomialDecay",
                          "InverseTimeDecay", "CosineDecay", "CosineDecayRestarts")
 # tf_keras config entries with no Keras 3 counterpart, dropped: jit_compile

@@ -9,13 +9,7 @@ Nothing here touches individual elements from Python:
   project produces on x86/ARM hosts).
 * :func:`from_bytes` wraps received bytes as an array (no copy; read-only).
 
-It also holds the few protobuf *wire-format* helpers that let large ``bytes``
-fields skip the protobuf object model, which copies them several times (see
-``benchmarks/bench_transport.py``): a message is encoded as its small fields,
-serialized by protobuf, followed by the hand-framed bulk field; decoding walks
-the top-level fields and returns ``memoryview`` slices of the input. Protobuf
-allows fields in any order and concatenated encodings merge, so the result is a
-valid message for every protobuf implementation.
+The protobuf framing of the PS messages is in :mod:`prophet_tf.ps.protocol`.
 """
 
 from __future__ import annotations
@@ -33,8 +27,6 @@ __all__ = [
     "dtype_name",
     "as_bytes_view",
     "from_bytes",
-    "encode_len_field_header",
-    "parse_fields",
     "tune_allocator",
 ]
 
@@ -119,114 +111,6 @@ def from_bytes(data, dtype, shape=None) -> np.ndarray:
             f"Received: {nbytes} bytes")
     array = np.frombuffer(data, dtype=dt)
     return array if shape is None else array.reshape(shape)
-
-
-# --- protobuf wire format (https://protobuf.dev/programming-guides/encoding/) ---
-
-_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-_WIRE_TYPES = {"varint": _VARINT, "i64": _I64, "len": _LEN, "i32": _I32}
-_UINT64_MASK = (1 << 64) - 1
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        bits = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(bits | 0x80)
-        else:
-            out.append(bits)
-            return bytes(out)
-
-
-def encode_len_field_header(field_number: int, length: int) -> bytes:
-    """Tag and length prefix of a length-delimited field (bytes/string/message)."""
-    return _varint((field_number << 3) | _LEN) + _varint(length)
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("Truncated protobuf varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            # A 10th byte carries one bit of a 64-bit value; protobuf drops the rest.
-            return result & _UINT64_MASK, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("Malformed protobuf varint (more than 10 bytes)")
-
-
-def parse_fields(data, repeated=(), *, types: dict[int, str] | None = None,
-                 max_fields: int | None = None) -> dict[int, object]:
-    """Decodes the top level of a protobuf message without copying bulk fields.
-
-    Varint fields decode to ``int`` (int32/int64 two's complement is folded to
-    a signed value); length-delimited and fixed32/64 fields to ``memoryview``
-    slices of ``data`` (decode a double with ``struct.unpack("<d", view)``). For
-    a scalar field the last occurrence wins, as in protobuf; a field number in
-    ``repeated`` collects a list.
-
-    Args:
-        data: the message bytes (bytes-like).
-        repeated: field numbers that collect every occurrence in a list.
-        types: field number -> the wire type it must have (``"varint"``,
-            ``"i64"``, ``"len"`` or ``"i32"``); another wire type is an error
-            instead of a value of the wrong Python type.
-        max_fields: the most fields (occurrences, any number) accepted; each
-            costs Python time and memory, so untrusted input must be capped
-            before a 64 MiB message of 2-byte fields builds millions of them.
-
-    Raises:
-        ValueError: the bytes are not a well-formed protobuf message, or break
-            ``types``/``max_fields``.
-    """
-    buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-    if buf.format != "B" or buf.ndim != 1:
-        buf = buf.cast("B")
-    expected = {number: _WIRE_TYPES[name] for number, name in (types or {}).items()}
-    fields: dict[int, object] = {number: [] for number in repeated}
-    pos, end, count = 0, len(buf), 0
-    while pos < end:
-        count += 1
-        if max_fields is not None and count > max_fields:
-            raise ValueError(f"More than {max_fields} protobuf fields in one message")
-        tag, pos = _read_varint(buf, pos)
-        number, wire_type = tag >> 3, tag & 7
-        if not 0 < number < 1 << 29:  # protobuf's range; protobuf rejects others too
-            raise ValueError(f"Invalid protobuf field number {number}")
-        if number in expected and wire_type != expected[number]:
-            raise ValueError(f"Protobuf field {number} has wire type {wire_type}, "
-                             f"expected {expected[number]}")
-        if wire_type == _VARINT:
-            value, pos = _read_varint(buf, pos)
-            if value >= 1 << 63:
-                value -= 1 << 64
-        elif wire_type == _LEN:
-            length, pos = _read_varint(buf, pos)
-            if length > end - pos:
-                raise ValueError(
-                    f"Truncated protobuf field {number}: needs {length} bytes, "
-                    f"{end - pos} left")
-            value, pos = buf[pos:pos + length], pos + length
-        elif wire_type in (_I64, _I32):
-            width = 8 if wire_type == _I64 else 4
-            if pos + width > end:
-                raise ValueError(f"Truncated protobuf field {number}")
-            value, pos = buf[pos:pos + width], pos + width
-        else:
-            raise ValueError(f"Unsupported protobuf wire type {wire_type} in field {number}")
-        if number in repeated:
-            fields[number].append(value)
-        else:
-            fields[number] = value
-    if pos != end:
-        raise ValueError("Truncated protobuf message")
-    return fields
 
 
 # --- allocator -------------------------------------------------------------

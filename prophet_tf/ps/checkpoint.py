@@ -31,7 +31,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["CheckpointPolicy", "Checkpointer", "Snapshot", "model_signature", "signature_difference"]
+__all__ = ["CheckpointPolicy", "Checkpointer", "Snapshot", "model_signature",
+           "signature_difference", "choose", "take"]
 
 logger = logging.getLogger(__name__)
 
@@ -232,3 +233,57 @@ def signature_difference(saved: Mapping, current: Mapping) -> str | None:
                 return f"{field}[{i}]: {a[i]} in the checkpoint, {b[i]} now"
             return f"{field}: {a!r} in the checkpoint, {b!r} now"
     return None
+
+
+# --- the servicer's glue --------------------------------------------------------
+
+
+def choose(checkpointer: Checkpointer | None, signature: dict, optimizer_variables: Sequence,
+           num_parts: int, resume_step: int) -> Snapshot | None:
+    """The checkpoint to restore at the first Register, or None.
+
+    Workers that resume from their own backup (``resume_step`` > 0) get the
+    checkpoint of that very iteration, so both sides continue from the same
+    point; workers starting afresh get the newest one.
+
+    Args:
+        signature: :func:`model_signature` of the declared model.
+        optimizer_variables: the rebuilt optimizer's variables.
+        num_parts: the partitions this PS owns.
+
+    Raises:
+        ValueError: the checkpoint is unreadable, of another model or cluster,
+            or does not fit the optimizer.
+    """
+    if checkpointer is None:
+        return None
+    steps = checkpointer.steps()
+    if not steps:
+        return None
+    if resume_step:
+        if resume_step not in steps:
+            logger.warning("No checkpoint of step %d (the workers' resume step) in %s; "
+                           "have %s", resume_step, checkpointer.policy.directory, steps)
+            return None
+        step = resume_step
+    else:
+        step = steps[-1]
+    snapshot = checkpointer.load(step)
+    difference = signature_difference(snapshot.signature, signature)
+    if difference:
+        raise ValueError(f"The checkpoint of step {step} in {checkpointer.policy.directory} "
+                         f"is of another model or cluster ({difference}). Use another "
+                         "--checkpoint-dir or remove it. Received: the model of worker 0")
+    shapes = [tuple(v.shape) for v in optimizer_variables]
+    if ([tuple(a.shape) for a in snapshot.optimizer_values] != shapes
+            or len(snapshot.params) != num_parts):
+        raise ValueError(f"The checkpoint of step {step} does not fit the optimizer "
+                         f"{signature['optimizer']}'s variables")
+    return snapshot
+
+
+def take(step: int, signature: dict, params: dict, optimizer_variables: Sequence) -> Snapshot:
+    """A snapshot of ``params`` (copies, by (key, partition)) and the optimizer's state."""
+    names = [v.path for v in optimizer_variables]
+    values = [np.array(v.numpy(), copy=True) for v in optimizer_variables]
+    return Snapshot(step, signature, params, names, values)

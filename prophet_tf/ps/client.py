@@ -1,9 +1,10 @@
-"""The worker's side of the PS protocol: :class:`PSClient` and array helpers.
+"""The worker's side of the PS protocol: :class:`PSClient` and :func:`variable_specs`.
 
-Tensors never go through per-element Python work: a push block is framed by
-hand around ``memoryview``\\ s of the gradient arrays and joined into one
-``bytes`` (the only copy on the client); a pulled chunk is decoded into a
-read-only array that views the received message (no copy).
+Tensors never go through per-element Python work (framing in
+:mod:`prophet_tf.ps.protocol`): a push block is framed by hand around
+``memoryview``\\ s of the gradient arrays and joined into one ``bytes`` (the
+only copy on the client); a pulled chunk is decoded into a read-only array that
+views the received message (no copy).
 
 Errors from the PS arrive as ``grpc.RpcError`` with the server's status code
 and message (``INVALID_ARGUMENT``, ``NOT_FOUND``, ``FAILED_PRECONDITION``,
@@ -13,8 +14,7 @@ and message (``INVALID_ARGUMENT``, ``NOT_FOUND``, ``FAILED_PRECONDITION``,
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -22,13 +22,12 @@ import numpy as np
 from prophet_tf import codec
 from prophet_tf.ps import health, sharding
 from prophet_tf.ps import security as security_lib
-from prophet_tf.ps.server import MAX_MESSAGE_BYTES, SERVICE_NAME
+from prophet_tf.ps.protocol import (MAX_MESSAGE_BYTES, SERVICE_NAME, PulledChunk,
+                                    channel_options, decode_parameter_chunk, encode_push)
 from prophet_tf.ps.v1 import ps_pb2
 
-__all__ = ["PSClient", "Chunk", "PulledChunk", "channel_options", "variable_specs",
-           "optimizer_config_json", "gradient_chunks", "write_chunk"]
+__all__ = ["PSClient", "Chunk", "PulledChunk", "variable_specs"]
 
-NO_WEIGHT_DECAY_KEY = "prophet_tf_no_weight_decay"  # servicer.NO_WEIGHT_DECAY_KEY
 _REQUEST_OVERHEAD = 64 * 1024  # room for specs and framing next to the bulk bytes
 
 
@@ -38,49 +37,8 @@ class Chunk:
 
     key: int
     partition: int
-    step: int
+    step: int  # the iteration
     array: np.ndarray
-
-
-class PulledChunk(NamedTuple):
-    """A partition's value as pulled: ``array`` is flat and read-only."""
-
-    key: int
-    partition: int
-    version: int
-    array: np.ndarray
-
-
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """gRPC channel options every worker uses to talk to a PS."""
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-
-
-def _encode_push(worker_id: int, chunks: Sequence[Chunk],
-                 learning_rate: float | None = None) -> tuple[list, int]:
-    """PushRequest wire bytes as a list of parts (headers and array views)."""
-    parts = [ps_pb2.PushRequest(worker_id=worker_id,
-                                learning_rate=learning_rate).SerializeToString()]
-    total = len(parts[0])
-    for c in chunks:
-        data = codec.as_bytes_view(c.array)
-        head = ps_pb2.GradientChunk(key=c.key, step=c.step, partition=c.partition,
-                                    dtype=codec.dtype_name(c.array.dtype)).SerializeToString()
-        head += codec.encode_len_field_header(5, data.nbytes)
-        frame = codec.encode_len_field_header(2, len(head) + data.nbytes)
-        parts += (frame, head, data)
-        total += len(frame) + len(head) + data.nbytes
-    return parts, total
-
-
-def _decode_parameter_chunk(message: bytes) -> PulledChunk:
-    fields = codec.parse_fields(message)
-    dtype = bytes(fields.get(4, b"")).decode()
-    return PulledChunk(fields.get(1, 0), fields.get(2, 0), fields.get(3, 0),
-                       codec.from_bytes(fields.get(5, b""), dtype))
 
 
 class PSClient:
@@ -91,7 +49,7 @@ class PSClient:
         worker_id: this worker's index in ``[0, num_workers)``.
         num_workers: W.
         max_message_bytes: per-message limit (the server's is
-            :data:`prophet_tf.ps.server.MAX_MESSAGE_BYTES`).
+            :data:`prophet_tf.ps.protocol.MAX_MESSAGE_BYTES`).
         options: extra gRPC channel options.
         security: token and TLS settings; default from the environment
             (:func:`prophet_tf.ps.security.client_security`).
@@ -122,7 +80,7 @@ class PSClient:
             response_deserializer=ps_pb2.PushResponse.FromString)
         self._pull = self._channel.unary_stream(
             method + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
-            response_deserializer=_decode_parameter_chunk)
+            response_deserializer=decode_parameter_chunk)
         self._heartbeat = self._channel.unary_unary(
             method + "Heartbeat", request_serializer=ps_pb2.HeartbeatRequest.SerializeToString,
             response_deserializer=ps_pb2.HeartbeatResponse.FromString)
@@ -152,11 +110,11 @@ class PSClient:
 
         Args:
             variables: ``ps_pb2.VariableSpec`` list (see :func:`variable_specs`).
-            optimizer_config: see :func:`optimizer_config_json`.
+            optimizer_config: see :func:`prophet_tf.keras_optimizer.config_json`.
             initial_values: key -> full array; only from worker 0.
             max_partition_bytes: the workers' sharding limit; the PS's
                 partitions are checked against the same plan.
-            resume_step: steps this worker's own state has trained (restored
+            resume_step: iterations this worker's own state has trained (restored
                 from a backup); 0 for a fresh start.
             timeout: seconds per call.
 
@@ -189,7 +147,7 @@ class PSClient:
         batch, size = [], 0
         limit = self.max_message_bytes - _REQUEST_OVERHEAD - 64 * len(variables)
         for p in expected:
-            value = _rows(np.asarray(initial_values[p.key]), p)
+            value = sharding.rows(np.asarray(initial_values[p.key]), p)
             if batch and size + value.nbytes > limit:
                 response = self._register(
                     ps_pb2.RegisterRequest(**request, initial_values=batch), timeout=timeout)
@@ -203,26 +161,20 @@ class PSClient:
                 ps_pb2.RegisterRequest(**request, initial_values=batch), timeout=timeout)
         return response
 
-    def push(self, chunks: Sequence[Chunk], timeout: float | None = None) -> int:
-        """Sends one block of gradient chunks as one PushRequest.
+    def push_future(self, chunks: Sequence[Chunk], timeout: float | None = None,
+                    learning_rate: float | None = None) -> grpc.Future:
+        """Sends one block of gradient chunks as one PushRequest, without waiting.
 
-        Returns:
-            How many chunks the PS had already counted (retries).
+        The request is serialized now: the chunks' arrays may be reused as
+        soon as this returns. The future's result is the PushResponse (its
+        ``duplicates``: chunks the PS had already counted, i.e. retries); its
+        exception a ``grpc.RpcError`` when the PS rejected the block (nothing
+        of it was used). `learning_rate`: see PushRequest.
 
         Raises:
             ValueError: the block exceeds ``max_message_bytes``.
-            grpc.RpcError: the PS rejected the block (nothing of it was used).
         """
-        return self.push_future(chunks, timeout).result().duplicates
-
-    def push_future(self, chunks: Sequence[Chunk], timeout: float | None = None,
-                    learning_rate: float | None = None) -> grpc.Future:
-        """Like :meth:`push`, without waiting: the request is serialized now.
-
-        The chunks' arrays may be reused as soon as this returns; the future's
-        result is the PushResponse. `learning_rate`: see PushRequest.
-        """
-        parts, total = _encode_push(self.worker_id, chunks, learning_rate)
+        parts, total = encode_push(self.worker_id, chunks, learning_rate)
         if total > self.max_message_bytes:
             raise ValueError(f"A push block may carry at most {self.max_message_bytes} bytes; "
                              f"split it. Received: {len(chunks)} chunks, {total} bytes")
@@ -281,13 +233,6 @@ def _key_partition(item):
     return item.key, item.partition
 
 
-def _rows(array: np.ndarray, partition: sharding.Partition) -> np.ndarray:
-    """The rows of ``partition`` as a view (scalars: the value itself)."""
-    if array.ndim == 0:
-        return array.reshape(1)
-    return array[partition.row_begin:partition.row_end]
-
-
 def variable_specs(variables: Sequence) -> list[ps_pb2.VariableSpec]:
     """Specs for Keras/TF variables: key = position, priority = position.
 
@@ -297,53 +242,3 @@ def variable_specs(variables: Sequence) -> list[ps_pb2.VariableSpec]:
                                 shape=[int(d) for d in v.shape],
                                 dtype=codec.dtype_name(v.dtype), priority=i)
             for i, v in enumerate(variables)]
-
-
-def optimizer_config_json(optimizer, variables: Sequence | None = None) -> str:
-    """The ``optimizer_config`` of Register for a Keras optimizer.
-
-    ``keras.optimizers.serialize`` leaves out ``exclude_from_weight_decay``;
-    given the model's trainable variables (in key order), the keys the
-    optimizer exempts from weight decay are added, so the PS decays exactly
-    the same variables.
-
-    A tf_keras (Keras 2) optimizer is described as the equivalent Keras 3
-    optimizer (``prophet_tf._keras_compat``): the PS only knows Keras 3.
-
-    Raises:
-        ValueError: a tf_keras optimizer, option or schedule without a Keras 3
-            equivalent; the message names it.
-    """
-    from prophet_tf import _keras_compat
-
-    if _keras_compat.is_tf_keras_optimizer(optimizer):
-        config = _keras_compat.keras3_optimizer_config(optimizer)
-        decays = optimizer._use_weight_decay  # Takes the tf.Variable itself.
-    else:
-        import keras
-
-        config = keras.optimizers.serialize(optimizer)
-        decays = lambda v: optimizer._use_weight_decay(getattr(v, "value", v))  # noqa: E731
-    if variables is not None and getattr(optimizer, "weight_decay", None) is not None:
-        exempt = [i for i, v in enumerate(variables) if not decays(v)]
-        if exempt:
-            config[NO_WEIGHT_DECAY_KEY] = exempt
-    return json.dumps(config)
-
-
-def gradient_chunks(arrays: Mapping[int, np.ndarray], partitions: Iterable[sharding.Partition],
-                    step: int) -> list[Chunk]:
-    """Cuts full gradients (key -> array) into this PS's partition chunks (views)."""
-    return [Chunk(p.key, p.partition, step, _rows(np.asarray(arrays[p.key]), p))
-            for p in partitions]
-
-
-def write_chunk(chunk: PulledChunk, out: Mapping[int, np.ndarray],
-                partitions: Mapping[tuple[int, int], sharding.Partition]) -> None:
-    """Copies a pulled chunk into its rows of ``out[key]`` (one memcpy)."""
-    p = partitions[chunk.key, chunk.partition]
-    target = out[chunk.key]
-    if target.ndim == 0:
-        target[...] = chunk.array[0]
-    else:
-        target[p.row_begin:p.row_end] = chunk.array.reshape((p.num_rows, *target.shape[1:]))

@@ -1,13 +1,6 @@
 """The PS task's gRPC server, and ``prophet-tf ps`` / ``python -m prophet_tf.ps.server``.
 
-Message size limit: :data:`MAX_MESSAGE_BYTES` (64 MiB) for receiving and
-sending, on the server and on :class:`prophet_tf.ps.client.PSClient`. A
-partition is at most ``max_partition_bytes`` (4 MiB by default) and the client
-cuts Register's initial values into requests under the limit, so only a push
-block of more than 64 MiB (the scheduler's choice) or a variable with a single
-row above the limit hits it; gRPC answers such a message with
-RESOURCE_EXHAUSTED. The limit also bounds what one request may pin in memory
-(thread pool size x 64 MiB).
+Message size limit and request parsing: :mod:`prophet_tf.ps.protocol`.
 
 Bind address: ``--host`` defaults to 127.0.0.1 when the flags describe the
 task (a local cluster; nothing exposed), and to ``[::]`` (all interfaces) with
@@ -32,119 +25,29 @@ import argparse
 import logging
 import os
 import signal
-import struct
 import sys
 import threading
 from concurrent import futures
-from typing import NamedTuple
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from prophet_tf import codec
-from prophet_tf.ps import security, sharding
+from prophet_tf.ps import protocol, security, sharding
+from prophet_tf.ps.protocol import MAX_MESSAGE_BYTES, SERVICE_NAME, server_options
 from prophet_tf.ps.v1 import ps_pb2
 
-__all__ = ["MAX_MESSAGE_BYTES", "SERVICE_NAME", "create_server", "main"]
+__all__ = ["create_server", "main"]
 
 logger = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-# What a message carries besides one chunk's bytes (ids, dtype, framing).
-_CHUNK_OVERHEAD = 1024
-
 
 # After the job failed, how long the PS keeps answering (so every worker's
 # heartbeat or pull learns why) before it exits 1.
 _FAILURE_LINGER_S = 3.0
 
 
-class _Malformed:
-    """Bytes that did not parse: ``malformed`` says why; other fields read as
-    those of an empty message with ``worker_id=-1``."""
-
-    def __init__(self, empty, reason: str):
-        self._empty, self.malformed = empty, reason
-
-    def __getattr__(self, name):
-        return getattr(self._empty, name)
-
-
-def _tolerant(message_class, max_fields: int = 1 << 17):
-    """A request deserializer that never raises.
-
-    gRPC Python (1.85) leaks about 19 KB and answers INTERNAL for every request
-    whose deserializer raises; the servicer rejects ``malformed`` requests with
-    INVALID_ARGUMENT instead. Counting the fields first bounds what protobuf
-    would build from a message of millions of tiny repeated items.
-    """
-    def parse(message: bytes):
-        try:
-            codec.parse_fields(message, max_fields=max_fields)
-            return message_class.FromString(message)
-        except (DecodeError, ValueError) as e:
-            return _Malformed(message_class(worker_id=-1), f"{e} ({len(message)} bytes)")
-    return parse
-
-
 def _passthrough(data: bytes) -> bytes:
     return data
-
-
-class _GradientChunk(NamedTuple):
-    key: int
-    step: int
-    partition: int
-    dtype: str
-    data: memoryview  # a slice of the received message: no copy
-
-
-class _PushRequest(NamedTuple):
-    worker_id: int
-    chunks: list
-    malformed: str | None = None  # why the bytes are not a PushRequest
-    learning_rate: float | None = None
-
-
-def parse_push_request(message: bytes, max_chunks: int = 1 << 16) -> _PushRequest:
-    """A PushRequest whose chunk data are views of ``message``.
-
-    Protobuf's ``chunk.data`` would copy every chunk once more. Malformed
-    bytes give a request with ``malformed`` set, which the servicer rejects
-    with INVALID_ARGUMENT (a raising deserializer would answer INTERNAL).
-    Malformed also covers a known field with another wire type (it would
-    reach the servicer as a value of the wrong type) and more than
-    ``max_chunks`` chunks or 64 fields in a chunk: each field costs Python
-    objects, and 64 MiB of 2-byte fields would build millions of them.
-    """
-    try:
-        top = codec.parse_fields(message, repeated=(2,), max_fields=max_chunks + 64,
-                                 types={1: "varint", 2: "len", 3: "i64"})
-        if len(top[2]) > max_chunks:
-            raise ValueError(f"more than {max_chunks} chunks")
-        chunks = []
-        for raw in top[2]:
-            f = codec.parse_fields(raw, max_fields=64, types={
-                1: "varint", 2: "varint", 3: "varint", 4: "len", 5: "len"})
-            chunks.append(_GradientChunk(f.get(1, 0), f.get(2, 0), f.get(3, 0),
-                                         str(f.get(4, b""), "utf-8"), f.get(5, memoryview(b""))))
-        learning_rate = None
-        if 3 in top:
-            learning_rate = struct.unpack("<d", top[3])[0]
-        return _PushRequest(top.get(1, 0), chunks, learning_rate=learning_rate)
-    except (ValueError, TypeError, struct.error) as e:
-        return _PushRequest(0, [], f"{e} ({len(message)} bytes)")
-
-
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        # Never share the port with another process (port 0 or not).
-        ("grpc.so_reuseport", 0),
-    ]
 
 
 def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
@@ -179,17 +82,19 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
                          interceptors=[security.TokenServerInterceptor(token)] if token else None)
     handlers = {
         "Register": grpc.unary_unary_rpc_method_handler(
-            servicer.Register, request_deserializer=_tolerant(ps_pb2.RegisterRequest),
+            servicer.Register,
+            request_deserializer=protocol.tolerant_parser(ps_pb2.RegisterRequest),
             response_serializer=ps_pb2.RegisterResponse.SerializeToString),
         "Push": grpc.unary_unary_rpc_method_handler(
-            servicer.Push, request_deserializer=parse_push_request,
+            servicer.Push, request_deserializer=protocol.parse_push_request,
             response_serializer=ps_pb2.PushResponse.SerializeToString),
         # Pull yields ParameterChunk bytes serialized once per version.
         "Pull": grpc.unary_stream_rpc_method_handler(
-            servicer.Pull, request_deserializer=_tolerant(ps_pb2.PullRequest),
+            servicer.Pull, request_deserializer=protocol.tolerant_parser(ps_pb2.PullRequest),
             response_serializer=_passthrough),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            servicer.Heartbeat, request_deserializer=_tolerant(ps_pb2.HeartbeatRequest),
+            servicer.Heartbeat,
+            request_deserializer=protocol.tolerant_parser(ps_pb2.HeartbeatRequest),
             response_serializer=ps_pb2.HeartbeatResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers(
@@ -369,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = threading.Event()
     servicer = ParameterServerServicer(
         num_workers, ps_index, num_ps, max_partition_bytes=args.max_partition_bytes,
-        max_chunk_bytes=MAX_MESSAGE_BYTES - _CHUNK_OVERHEAD,
+        max_chunk_bytes=protocol.MAX_CHUNK_BYTES,
         worker_timeout_s=args.worker_timeout,
         startup_timeout_s=args.worker_startup_timeout, checkpoint=checkpoint_policy,
         on_failure=lambda _message: failed.set())

@@ -36,7 +36,7 @@ from typing import Iterable, Sequence
 
 from prophet_tf import codec
 
-__all__ = ["DEFAULT_MAX_PARTITION_BYTES", "Partition", "plan", "owned_by"]
+__all__ = ["DEFAULT_MAX_PARTITION_BYTES", "Partition", "plan", "owned_by", "row_layout", "rows"]
 
 DEFAULT_MAX_PARTITION_BYTES = 4 * 1024 * 1024
 
@@ -66,6 +66,30 @@ class Partition:
         return ps_pb2.Partition(key=self.key, partition=self.partition,
                                 ps_index=self.ps_index, row_begin=self.row_begin,
                                 row_end=self.row_end)
+
+
+def row_layout(shape: Sequence[int], dtype: str,
+               max_partition_bytes: int) -> tuple[int, int, int]:
+    """``(rows, row_bytes, partitions)`` of a variable cut by rule 1.
+
+    ``shape`` must have no negative dimension and ``dtype`` be a wire dtype
+    name; nothing is allocated, so this also sizes a declaration before it
+    is accepted.
+    """
+    shape = [int(d) for d in shape]
+    rows = shape[0] if shape else 1
+    row_bytes = codec.to_numpy_dtype(dtype).itemsize * math.prod(shape[1:])
+    if not rows:
+        return rows, row_bytes, 1
+    rows_per_part = max(1, max_partition_bytes // row_bytes) if row_bytes else rows
+    return rows, row_bytes, math.ceil(rows / rows_per_part)
+
+
+def rows(array, partition: Partition):
+    """The rows of ``partition`` in the full ``array``, as a view (scalars: shape (1,))."""
+    if array.ndim == 0:
+        return array.reshape(1)
+    return array[partition.row_begin:partition.row_end]
 
 
 def _row_split(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -109,13 +133,8 @@ def plan(specs: Iterable, num_ps: int,
         seen.add(key)
         if any(d < 0 for d in shape):
             raise ValueError(f"Negative dimension in variable {key}. Received: shape={shape}")
-        itemsize = codec.to_numpy_dtype(spec.dtype).itemsize
-        rows = shape[0] if shape else 1
-        row_bytes = itemsize * math.prod(shape[1:])
-        nbytes = rows * row_bytes
-        rows_per_part = max(1, max_partition_bytes // row_bytes) if row_bytes else rows
-        parts = math.ceil(rows / rows_per_part) if rows else 1
-        for index, (begin, end) in enumerate(_row_split(rows, parts)):
+        num_rows, row_bytes, parts = row_layout(shape, spec.dtype, max_partition_bytes)
+        for index, (begin, end) in enumerate(_row_split(num_rows, parts)):
             pieces.append((key, index, begin, end, (end - begin) * row_bytes))
     # LPT: largest first onto the least-loaded PS; heap entries (load, ps_index).
     loads = [(0, ps) for ps in range(num_ps)]

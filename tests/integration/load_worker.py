@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import random
 import sys
 import time
@@ -31,9 +32,11 @@ import time
 import grpc
 import numpy as np
 
-from prophet_tf.ps import client as ps_client
-from prophet_tf.ps import sharding
-from prophet_tf.ps.v1 import ps_pb2
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/: ps_helpers
+import ps_helpers  # noqa: E402
+from prophet_tf.ps import client as ps_client  # noqa: E402
+from prophet_tf.ps import sharding  # noqa: E402
+from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
 
 # name, shape; float32. The kernel is cut into row ranges over both PS tasks.
 SHAPES = {0: ("dense/kernel", (64, 32)), 1: ("dense/bias", (32,)),
@@ -99,7 +102,7 @@ class Worker:
                 if chunk.version != version:
                     raise AssertionError(f"asked for version {version}, got {chunk.version} "
                                          f"of key {chunk.key} partition {chunk.partition}")
-                ps_client.write_chunk(chunk, out, self.by_id)
+                ps_helpers.write_chunk(chunk, out, self.by_id)
             self.counts["pulls"] += 1
         return out
 
@@ -109,7 +112,8 @@ class Worker:
         if self.rng.random() < self.retry_p:  # the deadline expires around the call
             self.counts["short_deadline"] += 1
             try:
-                duplicates = client.push(chunks, timeout=self.rng.uniform(0.0005, 0.005))
+                duplicates = ps_helpers.push(client, chunks,
+                                             timeout=self.rng.uniform(0.0005, 0.005))
                 self.check(duplicates == 0, f"a first push found {duplicates} duplicates")
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
@@ -120,7 +124,7 @@ class Worker:
                 give_up = time.monotonic() + RETRY_FOR_S
                 while True:
                     try:
-                        duplicates = client.push(chunks, timeout=60)
+                        duplicates = ps_helpers.push(client, chunks, timeout=60)
                         break
                     except grpc.RpcError as retry_error:
                         if retry_error.code() not in RETRYABLE or time.monotonic() > give_up:
@@ -130,11 +134,11 @@ class Worker:
                 self.counts["processed_before_timeout"] += duplicates == n
                 self.counts["duplicates"] += duplicates
         else:
-            duplicates = client.push(chunks, timeout=60)
+            duplicates = ps_helpers.push(client, chunks, timeout=60)
             self.check(duplicates == 0, f"a first push found {duplicates} duplicates")
         if self.rng.random() < self.retry_p:  # the response was lost: send it again
             self.counts["resent"] += 1
-            duplicates = client.push(chunks, timeout=60)
+            duplicates = ps_helpers.push(client, chunks, timeout=60)
             self.check(duplicates == n, f"a resent push found {duplicates} of {n} counted")
             self.counts["duplicates"] += duplicates
 
@@ -150,7 +154,7 @@ class Worker:
         for step in range(steps):
             grads = {k: gradient(self.worker, step, k) for k in SHAPES}
             for client, owned in zip(self.clients, self.owned):
-                chunks = ps_client.gradient_chunks(grads, owned, step)
+                chunks = ps_helpers.gradient_chunks(grads, owned, step)
                 if len(chunks) > 1 and self.rng.random() < 0.3:  # in two blocks
                     cut = self.rng.randrange(1, len(chunks))
                     self.push(client, chunks[:cut])

@@ -48,9 +48,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prophet_tf import codec
+import ps_helpers
 from prophet_tf.ps import client as ps_client
 from prophet_tf.ps import sharding
-from prophet_tf.ps import server
+from prophet_tf.ps import protocol
 from prophet_tf.ps.v1 import ps_pb2
 
 SERVICE = "/prophet_tf.ps.v1.ParameterServer/"
@@ -165,7 +166,7 @@ def pull_owned(client, min_version, timeout=30):
     out = {k: np.zeros(s, d) for k, (_, s, d) in SHAPES.items()}
     versions = set()
     for chunk in client.pull(OWNED, min_version, timeout=timeout):
-        ps_client.write_chunk(chunk, out, BY_ID)
+        ps_helpers.write_chunk(chunk, out, BY_ID)
         versions.add(chunk.version)
     return out, versions
 
@@ -174,8 +175,8 @@ def train(clients, steps, first, expected):
     """``steps`` SGD steps from both workers; checks the pulled values exactly."""
     for step in range(first, first + steps):
         for c in clients:
-            assert c.push(ps_client.gradient_chunks(gradients(step, c.worker_id), OWNED, step),
-                          timeout=30) == 0
+            chunks = ps_helpers.gradient_chunks(gradients(step, c.worker_id), OWNED, step)
+            assert ps_helpers.push(c, chunks, timeout=30) == 0
         for k in expected:
             expected[k] = (expected[k].astype(np.float32) - gradients(step, 0)[k]
                            - gradients(step, 1)[k]).astype(expected[k].dtype)
@@ -761,7 +762,8 @@ def run_fuzz(start_ps, total, seed):
                 sent += 1
         error = None
         try:
-            clients[0].push(ps_client.gradient_chunks(gradients(0, 0), OWNED, 0), timeout=30)
+            ps_helpers.push(clients[0], ps_helpers.gradient_chunks(gradients(0, 0), OWNED, 0),
+                            timeout=30)
         except grpc.RpcError as e:
             error = e
         assert error is not None and error.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -913,7 +915,7 @@ def undecodable(rng, method, n):
     while len(out) < n:
         data = rng.randbytes(rng.randrange(1, 400))
         if method == "Push":
-            if server.parse_push_request(data).malformed:
+            if protocol.parse_push_request(data).malformed:
                 out.append(data)
             continue
         message = {"Register": ps_pb2.RegisterRequest, "Pull": ps_pb2.PullRequest,
@@ -959,7 +961,7 @@ def test_undecodable_pushes_do_not_leak(bare_ps):
 
 @pytest.mark.timeout(240)
 def test_undecodable_register_pull_heartbeat_do_not_leak(bare_ps):
-    """gRPC Python leaks per request whose deserializer raises; server.py's never do."""
+    """gRPC Python leaks per request whose deserializer raises; protocol.py's never do."""
     rng = random.Random(2)
     growth = rss_growth(bare_ps, [(m, undecodable(rng, m, 1833))
                                   for m in ("Register", "Pull", "Heartbeat")])

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+import ps_helpers
 from prophet_tf.ps import client as ps_client
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -109,7 +110,7 @@ def drive(ps_tasks, tmp_path, steps, retry_p, seed):
         with ps_client.PSClient(ps.address, 0, WORKERS) as client:
             for chunk in client.pull(owned, steps, timeout=60):
                 assert chunk.version == steps
-                ps_client.write_chunk(chunk, values, by_id)
+                ps_helpers.write_chunk(chunk, values, by_id)
     for key in expected:
         np.testing.assert_array_equal(values[key], expected[key], err_msg=f"variable {key}")
 

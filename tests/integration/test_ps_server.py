@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import ps_helpers
 from prophet_tf.ps import client as ps_client
 from prophet_tf.ps import sharding
 from prophet_tf.ps.v1 import ps_pb2
@@ -36,15 +37,15 @@ def pull_all(client, min_version, timeout=30):
     out = {k: np.zeros(s, np.float32) for k, (_, s) in SHAPES.items()}
     versions = set()
     for chunk in client.pull(PARTITIONS, min_version, timeout=timeout):
-        ps_client.write_chunk(chunk, out, BY_ID)
+        ps_helpers.write_chunk(chunk, out, BY_ID)
         versions.add(chunk.version)
     return out, versions
 
 
 def push_step(client, step, worker=None):
     worker = client.worker_id if worker is None else worker
-    return client.push(ps_client.gradient_chunks(grads(step, worker), PARTITIONS, step),
-                       timeout=30)
+    chunks = ps_helpers.gradient_chunks(grads(step, worker), PARTITIONS, step)
+    return ps_helpers.push(client, chunks, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +213,7 @@ def test_oversized_message_is_resource_exhausted(model):
     big = ps_client.PSClient(model[0].address, 0, 2, max_message_bytes=128 << 20)
     try:
         chunk = ps_client.Chunk(1, 0, version, np.zeros((65 << 20) // 4, np.float32))
-        error = rpc_error(lambda: big.push([chunk], timeout=60))
+        error = rpc_error(lambda: ps_helpers.push(big, [chunk], timeout=60))
     finally:
         big.close()
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()

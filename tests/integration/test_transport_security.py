@@ -5,7 +5,6 @@ basename, so two files of the same name would collide.)
 """
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -16,10 +15,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import ROOT, run_ps
+import ps_helpers
 from prophet_tf.ps import client as ps_client
 from prophet_tf.ps import health, security, sharding
 from tls_certs import make_cert
-from prophet_tf.ps.server import SERVICE_NAME
+from prophet_tf.ps.protocol import SERVICE_NAME
 from prophet_tf.ps.v1 import ps_pb2
 
 TOKEN = "integration-token_5Jx9qQ2vR7"
@@ -62,7 +62,7 @@ def pull_all(client, min_version):
     out = {k: np.zeros(s, np.float32) for k, (_, s) in SHAPES.items()}
     versions = set()
     for chunk in client.pull(PARTITIONS, min_version, timeout=30):
-        ps_client.write_chunk(chunk, out, BY_ID)
+        ps_helpers.write_chunk(chunk, out, BY_ID)
         versions.add(chunk.version)
     return out, versions
 
@@ -136,7 +136,7 @@ def test_token_guards_register_push_pull_and_changes_nothing(guarded_ps):
 
         # Pushes without the right token (step 0, as a real worker would) are refused...
         for client, fragment in outsiders:
-            bad_push = ps_client.gradient_chunks(grads(666), PARTITIONS, 0)
+            bad_push = ps_helpers.gradient_chunks(grads(666), PARTITIONS, 0)
             error = rpc_error(lambda: client.push_future(bad_push, timeout=30).result())
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED
             assert fragment in error.details()
@@ -145,7 +145,8 @@ def test_token_guards_register_push_pull_and_changes_nothing(guarded_ps):
             assert fragment in error.details()
         # ...and changed nothing: the right push of step 0 is the first one counted,
         # and version 1 is initial - its gradient alone (W=1, SGD with lr=1).
-        assert good.push(ps_client.gradient_chunks(grads(1), PARTITIONS, 0), timeout=30) == 0
+        chunks = ps_helpers.gradient_chunks(grads(1), PARTITIONS, 0)
+        assert ps_helpers.push(good, chunks, timeout=30) == 0
         values, versions = pull_all(good, 1)
         assert versions == {1}
         for k in SHAPES:
@@ -293,8 +294,8 @@ WORKER = textwrap.dedent(r'''
         client.wait_ready(60)
         client.register(specs, sgd, {0: np.zeros(3, np.float32)}, timeout=60)
         parts = sharding.plan(specs, 1, sharding.DEFAULT_MAX_PARTITION_BYTES)
-        client.push(ps_client.gradient_chunks({0: np.full(3, 2.0, np.float32)}, parts, 0),
-                    timeout=30)
+        client.push_future([ps_client.Chunk(0, 0, 0, np.full(3, 2.0, np.float32))],
+                           timeout=30).result()
         pulled = [c.array.tolist() for c in client.pull(parts, 1, timeout=30)]
     # A process without the token is turned away.
     with grpc.insecure_channel(address) as channel:

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from prophet_tf import codec  # noqa: E402
-from prophet_tf.ps import client as ps_client  # noqa: E402
-from prophet_tf.ps import server, sharding  # noqa: E402
+import ps_helpers  # noqa: E402
+from prophet_tf.ps import protocol, sharding  # noqa: E402
 from prophet_tf.ps.servicer import ParameterServerServicer  # noqa: E402
 from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
 from test_servicer import Aborted, Context  # noqa: E402  (the servicer tests' context)
@@ -72,7 +72,7 @@ def register_request(worker_id=0, values=None, variables=None, **fields):
     chunks = []
     if values is not None:
         for p in PLAN:
-            rows = ps_client._rows(np.asarray(values[p.key]), p)
+            rows = sharding.rows(np.asarray(values[p.key]), p)
             chunks.append(ps_pb2.ParameterChunk(key=p.key, partition=p.partition,
                                                 dtype=SHAPES[p.key][2], data=rows.tobytes()))
     fields = dict(dict(num_workers=W, optimizer_config=SGD1, max_partition_bytes=LIMIT),
@@ -95,7 +95,7 @@ def chunk(key, partition, step, array):
 
 def step_chunks(step, worker):
     return [chunk(c.key, c.partition, c.step, c.array)
-            for c in ps_client.gradient_chunks(gradients(step, worker), PLAN, step)]
+            for c in ps_helpers.gradient_chunks(gradients(step, worker), PLAN, step)]
 
 
 def push(servicer, worker_id, chunks):
@@ -182,10 +182,14 @@ def test_a_nan_or_inf_gradient_is_rejected_whole_and_nothing_is_summed(ready, ke
 
 
 def servicer_version(servicer, p, timeout=30):
+    """The partition's version once it is 1 (applied), or at the timeout."""
+    def version():
+        with servicer._lock:
+            return servicer._parts[p.key, p.partition].version
     deadline = time.monotonic() + timeout
-    while servicer.version(p.key, p.partition) < 1 and time.monotonic() < deadline:
+    while version() < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    return servicer.version(p.key, p.partition)
+    return version()
 
 
 @pytest.mark.parametrize("dtype, bits", [
@@ -357,7 +361,7 @@ def test_a_pull_of_more_items_than_owned_partitions_is_invalid(ready):
 # ------------------------------------------------------------ wire parsing
 
 def varint(value):
-    return codec._varint(value & ((1 << 64) - 1))
+    return protocol._varint(value & ((1 << 64) - 1))
 
 
 def field(number, wire_type, payload=b""):
@@ -385,7 +389,7 @@ GOOD_CHUNK = (field(1, 0, varint(0)) + field(2, 0, varint(3)) + field(3, 0, vari
     (field(2, 2, varint(2**63)), "needs 9223372036854775808 bytes"),
 ])
 def test_push_bytes_that_are_not_a_push_request_are_malformed(message, fragment):
-    request = server.parse_push_request(message)
+    request = protocol.parse_push_request(message)
     assert request.malformed and fragment in request.malformed, request.malformed
     assert request.chunks == []
 
@@ -394,7 +398,7 @@ def test_a_ten_byte_varint_keeps_64_bits_like_protobuf():
     # 10 bytes can carry 70 bits; protobuf keeps the low 64.
     overlong = b"\xff" * 9 + b"\x7f"
     message = field(1, 0, overlong)
-    assert codec.parse_fields(message)[1] == -1
+    assert protocol.parse_fields(message)[1] == -1
     assert ps_pb2.PushRequest.FromString(message).worker_id == -1
 
 
@@ -407,7 +411,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
 @given(st.binary(max_size=300))
 @settings(max_examples=300, **SETTINGS)
 def test_random_push_bytes_never_raise_past_the_servicer(ready, data):
-    request = server.parse_push_request(data)
+    request = protocol.parse_push_request(data)
     assert request.malformed or all(
         type(c.key) is int and type(c.step) is int and type(c.partition) is int
         and type(c.dtype) is str and isinstance(c.data, memoryview) for c in request.chunks)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from prophet_tf.ps import checkpoint as checkpoint_lib
-from prophet_tf.ps import client as ps_client
+import ps_helpers
 from prophet_tf.ps.v1 import ps_pb2
 from test_servicer import (Context, config, expect_abort, grad_chunks, initial,  # noqa: F401
                            ints, make_servicer, plan, pull, push, register, specs)
@@ -174,7 +174,7 @@ def test_checkpoints_restore_parameters_optimizer_state_and_step(make_servicer, 
 def register_resuming(servicer, worker_id, cfg, resume_step, values=None):
     chunks = []
     if values is not None:
-        for c in ps_client.gradient_chunks(values, plan(), 0):
+        for c in ps_helpers.gradient_chunks(values, plan(), 0):
             chunks.append(ps_pb2.ParameterChunk(key=c.key, partition=c.partition,
                                                 dtype=c.array.dtype.name,
                                                 data=c.array.tobytes()))

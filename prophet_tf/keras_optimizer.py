@@ -1,0 +1,226 @@
+"""Which Keras optimizers prophet_tf trains with, and their Register config.
+
+The one optimizer policy, used by the worker (``prophet_tf.Strategy``, before
+it registers) and by the PS (when it rebuilds the optimizer): both run the
+same checks on the same serialized config, so an optimizer is refused with the
+same message on either side.
+
+The PS applies the optimizer one partition at a time: before the update of a
+partition for iteration k it sets the iteration counter to k and calls
+``optimizer.apply`` for that partition alone, so what it supports is decided by
+what such an update cannot see:
+
+* :data:`ELEMENTWISE` optimizers update a row range from that range's rows
+  only: exact on any partitioning.
+* :data:`WHOLE_VARIABLE` optimizers (norms or factorisations over a tensor)
+  are exact only while no variable is split into row ranges; the PS checks
+  that at Register (:func:`check_partitioning`).
+* Anything else is refused. ``Nadam`` keeps one ``u_product`` for all
+  variables and advances it at every ``apply``: applied per partition it would
+  advance once per partition instead of once per iteration.
+  ``LossScaleOptimizer`` (and so the ``mixed_float16`` policy) skips
+  iterations on each worker on its own.
+
+Options refused (:data:`REFUSED_OPTIONS`): Keras clips gradients, accumulates
+them and keeps the moving average inside ``optimizer.apply`` on the worker,
+before its gradient reaches the PS, so each worker would do it on its own share
+of the gradient rather than on the sum of all workers'.
+
+This module imports neither TensorFlow nor Keras at import time (the PS checks
+a config without TensorFlow); Keras is imported inside the functions that need
+it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+__all__ = ["NO_WEIGHT_DECAY_KEY", "ELEMENTWISE", "WHOLE_VARIABLE", "SUPPORTED_OPTIMIZERS",
+           "REFUSED_OPTIONS", "config_json", "parse_config", "comparable", "check_optimizer",
+           "check_options", "check_partitioning", "rebuild"]
+
+#: Optional top-level key of the optimizer JSON: the variable keys the worker's
+#: optimizer exempts from weight decay (``exclude_from_weight_decay`` is not
+#: part of Keras' serialized config).
+NO_WEIGHT_DECAY_KEY = "prophet_tf_no_weight_decay"
+
+#: Optimizers whose update of a row range depends only on that range's rows.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Ftrl",
+               "Lion")
+#: Optimizers that need a whole variable (norms/factorisations over it).
+WHOLE_VARIABLE = ("Lamb", "Adafactor")
+SUPPORTED_OPTIMIZERS = ELEMENTWISE + WHOLE_VARIABLE
+
+_ON_THE_WORKER = ("Keras does it in optimizer.apply on each worker, to that worker's own "
+                  "share of the gradient before the PS sums the shares")
+#: Optimizer options prophet_tf cannot apply exactly, with the reason.
+REFUSED_OPTIONS = {
+    "clipnorm": _ON_THE_WORKER,
+    "clipvalue": _ON_THE_WORKER,
+    "global_clipnorm": _ON_THE_WORKER,
+    "use_ema": "the moving average would be kept on each worker, apart from the "
+               "parameters the PS trains",
+    "gradient_accumulation_steps": _ON_THE_WORKER,
+}
+_MAX_ECHO_CHARS = 200  # of a received config quoted in an error message
+
+
+def check_optimizer(kind: str) -> None:
+    """Refuses an optimizer class the PS cannot apply one partition at a time.
+
+    Args:
+        kind: the class name (``type(optimizer).__name__``).
+
+    Raises:
+        ValueError: ``kind`` is not in :data:`SUPPORTED_OPTIMIZERS`; names it.
+    """
+    if kind not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            "The parameter server applies the optimizer one partition at a time and "
+            f"supports the built-in Keras optimizers {list(SUPPORTED_OPTIMIZERS)}; {kind} "
+            "keeps state across variables (Nadam's u_product, LossScaleOptimizer's "
+            f"skipped iterations) or is unknown to it. Received: optimizer={kind}")
+
+
+def check_options(config: dict) -> None:
+    """Refuses a serialized optimizer that sets an option of :data:`REFUSED_OPTIONS`.
+
+    Args:
+        config: ``keras.optimizers.serialize(optimizer)`` (or its ``"config"``).
+
+    Raises:
+        ValueError: names the first refused option and its value.
+    """
+    options = config.get("config", config)
+    for option, reason in REFUSED_OPTIONS.items():
+        value = options.get(option)
+        if value:
+            raise ValueError(f"prophet_tf cannot apply the optimizer option {option}: "
+                             f"{reason}. Remove it from the optimizer. "
+                             f"Received: {option}={value!r}")
+
+
+def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int) -> None:
+    """Refuses a whole-variable optimizer when a variable is split into row ranges.
+
+    Args:
+        kind: the optimizer's class name.
+        split: ``VariableSpec``\\ s of the variables cut into several partitions.
+        max_partition_bytes: the limit that cut them.
+
+    Raises:
+        ValueError: ``kind`` is in :data:`WHOLE_VARIABLE` and ``split`` is not empty.
+    """
+    if split and kind in WHOLE_VARIABLE:
+        raise ValueError(
+            f"optimizer={kind} needs whole variables but variable {split[0].key} "
+            f"({split[0].name!r}) is split into row ranges (it is larger than "
+            f"max_partition_bytes={max_partition_bytes}). Use an elementwise optimizer "
+            f"({', '.join(ELEMENTWISE)}) or a larger max_partition_bytes. "
+            f"Received: optimizer={kind}")
+
+
+# --- the worker's side ---------------------------------------------------------
+
+
+def config_json(optimizer, variables: Sequence | None = None) -> str:
+    """The ``optimizer_config`` of Register for a Keras 3 or tf_keras optimizer.
+
+    ``keras.optimizers.serialize`` leaves out ``exclude_from_weight_decay``;
+    given the model's trainable variables (in key order), the keys the
+    optimizer exempts from weight decay are added under
+    :data:`NO_WEIGHT_DECAY_KEY`, so the PS decays exactly the same variables.
+    ``loss_scale_factor`` is left out: the worker's ``optimizer.apply``
+    unscales the gradient before it is pushed, so the PS must not again.
+
+    A tf_keras (Keras 2) optimizer is described as the equivalent Keras 3
+    optimizer (``prophet_tf._keras_compat``): the PS only knows Keras 3.
+
+    Raises:
+        ValueError: an optimizer or option this policy refuses, or a tf_keras
+            optimizer, option or schedule without a Keras 3 equivalent; the
+            message names it and the received value.
+    """
+    from prophet_tf import _keras_compat
+
+    check_optimizer(type(optimizer).__name__)
+    if _keras_compat.is_tf_keras_optimizer(optimizer):
+        config = _keras_compat.keras3_optimizer_config(optimizer)
+        decays = optimizer._use_weight_decay  # Takes the tf.Variable itself.
+    else:
+        import keras
+
+        config = keras.optimizers.serialize(optimizer)
+        decays = lambda v: optimizer._use_weight_decay(getattr(v, "value", v))  # noqa: E731
+    check_options(config)
+    config.get("config", {}).pop("loss_scale_factor", None)
+    if variables is not None and getattr(optimizer, "weight_decay", None) is not None:
+        exempt = [i for i, v in enumerate(variables) if not decays(v)]
+        if exempt:
+            config[NO_WEIGHT_DECAY_KEY] = exempt
+    return json.dumps(config)
+
+
+# --- the PS's side ---------------------------------------------------------------
+
+
+def parse_config(text: str) -> dict:
+    """The dict of a Register ``optimizer_config``, checked for shape only.
+
+    Raises:
+        ValueError: not the JSON of ``keras.optimizers.serialize()`` (with an
+            optional :data:`NO_WEIGHT_DECAY_KEY` list of ints); quotes the text.
+    """
+    try:
+        config = json.loads(text)
+        if not isinstance(config, dict) or "class_name" not in config:
+            raise ValueError("not a keras.optimizers.serialize() dict")
+        if not isinstance(config.get("config", {}), dict):
+            raise ValueError('its "config" is not a dict')
+        exempt = config.get(NO_WEIGHT_DECAY_KEY) or []
+        if not (isinstance(exempt, list) and all(type(k) is int for k in exempt)):
+            raise ValueError(f"{NO_WEIGHT_DECAY_KEY} is not a list of variable keys")
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+        raise ValueError("optimizer_config must be the JSON of "
+                         f"keras.optimizers.serialize(optimizer) ({e}). "
+                         f"Received: optimizer_config={text[:_MAX_ECHO_CHARS]!r}") from None
+    return config
+
+
+def comparable(config: dict) -> dict:
+    """The optimizer config as compared between workers (its name aside)."""
+    config = json.loads(json.dumps(config))
+    config.get("config", {}).pop("name", None)
+    return config
+
+
+def rebuild(config: dict):
+    """The Keras 3 optimizer of a parsed config, checked against this policy.
+
+    Returns:
+        ``(optimizer, no_decay)``: the optimizer (not built) and the set of
+        variable keys exempt from weight decay.
+
+    Raises:
+        ValueError: Keras cannot rebuild it, or this policy refuses it.
+    """
+    import keras
+
+    config = json.loads(json.dumps(config))  # Keras mutates what it is given
+    no_decay = set(config.pop(NO_WEIGHT_DECAY_KEY, None) or ())
+    try:
+        optimizer = keras.optimizers.deserialize(json.loads(json.dumps(config)))
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            # keras.optimizers.deserialize only knows the classes in its
+            # ALL_OBJECTS (Keras 3.15 leaves out Lamb and returns a str).
+            optimizer = keras.saving.deserialize_keras_object(config)
+    except Exception as e:  # Keras raises ValueError/TypeError for unknown classes
+        raise ValueError(f"Cannot rebuild the optimizer on the PS: {e}. Received: "
+                         f"optimizer_config={json.dumps(config)[:_MAX_ECHO_CHARS]}") from None
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError("optimizer_config does not describe a Keras optimizer. Received: "
+                         f"optimizer_config={json.dumps(config)[:_MAX_ECHO_CHARS]}")
+    check_optimizer(type(optimizer).__name__)
+    check_options(config)
+    return optimizer, no_decay

@@ -33,17 +33,10 @@ import random
 import statistics
 import sys
 import time
-import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-# prophet_tf/engine/__init__.py imports the engine (and TensorFlow); the
-# schedulers need neither, so load them without it.
-if "prophet_tf.engine" not in sys.modules:
-    _pkg = types.ModuleType("prophet_tf.engine")
-    _pkg.__path__ = [str(ROOT / "prophet_tf" / "engine")]
-    sys.modules["prophet_tf.engine"] = _pkg
 from prophet_tf.engine import schedulers  # noqa: E402
 from prophet_tf.engine.schedulers import ReadyItem  # noqa: E402
 
@@ -163,7 +156,7 @@ def run(name, args, seed):
             spent[step] += clock() - t
         else:
             block, started = payload
-            step = block[0].step
+            step = block[0].iteration
             t = clock()
             sched.on_sent(block, started, now)
             spent[step] += clock() - t
@@ -173,9 +166,9 @@ def run(name, args, seed):
                 start_link(link, now)
             unsent[step] -= len(block)
             for item in block:
-                left[item.step, item.key] -= 1
-                if left[item.step, item.key] == 0:
-                    del left[item.step, item.key]
+                left[item.iteration, item.key] -= 1
+                if left[item.iteration, item.key] == 0:
+                    del left[item.iteration, item.key]
                     pushed_at[item.key] = now
             if unsent[step] == 0 and step + 1 < args.iters:
                 f = 0

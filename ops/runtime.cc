@@ -692,6 +692,16 @@ int64_t prophet_stamp_benchmark(int64_t n, int32_t kind) {
 
 int64_t prophet_stamp_capacity(void) { return prophet_tf::StampBuffer::kCapacity; }
 
+const char* prophet_stamp_kind_name(int32_t kind) {
+  switch (kind) {
+    case PROPHET_STAMP_READY: return "READY";
+    case PROPHET_STAMP_AWAIT_BEGIN: return "AWAIT_BEGIN";
+    case PROPHET_STAMP_AWAIT_END: return "AWAIT_END";
+    case PROPHET_STAMP_DELIVER: return "DELIVER";
+  }
+  return nullptr;
+}
+
 int prophet_next_grad(int64_t timeout_us, ProphetGradInfo* out) {
   return prophet_tf::TheRuntime().NextGrad(timeout_us, out);
 }

@@ -41,8 +41,10 @@
 
 extern "C" {
 
-// Kinds of stamp records. Values 0..15 are reserved for the runtime; engine
-// events recorded through prophet_stamp should use kinds >= 16.
+// Kinds of stamp records. Values 0..15 are reserved for the runtime; other
+// events recorded through prophet_stamp should use kinds >= 16. Python's one
+// definition is prophet_tf.engine.timeline.StampKind; a unit test compares the
+// two through prophet_stamp_kind_name.
 enum ProphetStampKind {
   PROPHET_STAMP_READY = 0,        // gradient ready (ReadyStamp / PushGrad ran)
   PROPHET_STAMP_AWAIT_BEGIN = 1,  // AwaitParam started waiting
@@ -68,7 +70,7 @@ typedef struct ProphetStamp {
   int64_t key;
   int64_t step;
   int64_t t_ns;  // CLOCK_MONOTONIC, nanoseconds (== time.monotonic_ns())
-  int32_t kind;  // ProphetStampKind or an engine-defined kind >= 16
+  int32_t kind;  // ProphetStampKind, or a caller-defined kind >= 16
   int32_t reserved;
 } ProphetStamp;
 
@@ -90,6 +92,9 @@ void prophet_stamp(int64_t key, int64_t step, int32_t kind);
 int64_t prophet_drain_stamps(ProphetStamp* out, int64_t max);
 int64_t prophet_stamps_dropped(void);
 int64_t prophet_stamp_capacity(void);
+// The enumerator name of a ProphetStampKind without its prefix ("READY"), or
+// NULL for a value that is no kind.
+const char* prophet_stamp_kind_name(int32_t kind);
 // Records n stamps (key = 0..n-1, step 0, `kind`) in a tight loop and returns
 // the elapsed ns: the raw cost of a stamp, for benchmarks/bench_ops.py.
 int64_t prophet_stamp_benchmark(int64_t n, int32_t kind);

@@ -12,16 +12,17 @@ Nothing is loaded at import time. ``load()`` (or any wrapper) loads on first
 use and raises ``ImportError`` with a rebuild hint when the library is missing
 or was built against another TensorFlow; ``ops_available()`` never raises.
 
-The ops are registered non-stateful so that tf.function's automatic control
-dependencies do not serialise them (see ops/ops.cc): their outputs must be
-consumed or they are pruned. Constant folding is refused by the kernels, so
-constant inputs are fine.
+``ReadyStamp`` and ``AwaitParam`` are registered non-stateful so that
+tf.function's automatic control dependencies do not serialise them: their
+outputs must be consumed or they are pruned. ``PushGrad`` is stateful on its
+variable's resource handle, so it runs although it has no output and is
+ordered only against other ops on that variable (see ops/ops.cc). Constant
+folding is refused by the kernels, so constant inputs are fine.
 """
 
 from __future__ import annotations
 
 import ctypes
-import enum
 import json
 import logging
 import os
@@ -32,12 +33,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from prophet_tf import codec
+from prophet_tf.engine.timeline import StampKind
+
 __all__ = [
     "StampKind", "STAMP_DTYPE", "Grad", "RuntimeAbortedError", "ops_available", "load",
     "ready_stamp", "push_grad", "await_param", "drain_stamps", "stamps_dropped", "stamp",
-    "now_ns", "next_grad", "release_grad", "declare_param", "freeze_param", "deliver_begin",
-    "deliver_write", "deliver_commit", "deliver_cancel", "deliver", "param_version", "abort",
-    "reset",
+    "now_ns", "next_grad", "release_grad", "outstanding_grads", "queued_grads",
+    "declare_param", "freeze_param", "deliver_begin", "deliver_write", "deliver_commit",
+    "deliver_cancel", "deliver", "param_version", "pending_awaits", "abort", "reset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -47,15 +51,6 @@ BUILD_INFO_NAME = "_build_info.json"
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 REBUILD_HINT = ("Rebuild it from the prophet_tf checkout with `pip install -e .` or "
                 "`python setup.py build_ext --inplace`.")
-
-
-class StampKind(enum.IntEnum):
-    """Kinds of stamp records. Engine events recorded with `stamp` use kinds >= 16."""
-
-    READY = 0        # a gradient is ready (ReadyStamp / PushGrad ran)
-    AWAIT_BEGIN = 1  # AwaitParam started waiting
-    AWAIT_END = 2    # AwaitParam completed: the layer's forward can start
-    DELIVER = 3      # the engine committed a parameter value (step = version)
 
 
 # Layout of the C struct ProphetStamp (32 bytes).
@@ -105,6 +100,7 @@ def _declare_c_api(lib: ctypes.CDLL) -> None:
         "prophet_drain_stamps": (i64, [vp, i64]),
         "prophet_stamps_dropped": (i64, []),
         "prophet_stamp_capacity": (i64, []),
+        "prophet_stamp_kind_name": (ctypes.c_char_p, [i32]),
         "prophet_stamp_benchmark": (i64, [i64, i32]),
         "prophet_next_grad": (ctypes.c_int, [i64, ctypes.POINTER(_GradInfo)]),
         "prophet_release_grad": (None, [i64]),
@@ -288,7 +284,7 @@ def now_ns() -> int:
 
 
 def stamp(key: int, step: int, kind: int) -> None:
-    """Records an engine event on the stamps' clock (engine kinds should be >= 16)."""
+    """Records an event on the stamps' clock (kinds >= 16; 0..15 are `StampKind`'s)."""
     _lib().prophet_stamp(key, step, int(kind))
 
 
@@ -322,19 +318,23 @@ def stamps_dropped() -> int:
 # --------------------------------------------------------------------------- gradients
 
 class Grad(NamedTuple):
-    """A gradient popped from the queue. Valid until `release_grad(handle)`."""
+    """A gradient popped from the queue. Valid until `release_grad(handle)`.
+
+    ``iteration`` is the training iteration PushGrad was given; ``dtype`` a wire
+    dtype name ("float32"), so the engine needs no TensorFlow.
+    """
 
     key: int
-    step: int
+    iteration: int
     handle: int
-    dtype: tf.DType
+    dtype: str
     nbytes: int
     data: int       # address of the tensor's buffer
     ready_ns: int   # when PushGrad ran
 
     def view(self) -> np.ndarray:
         """A flat read-only numpy view of the buffer (no copy); do not keep it past release."""
-        np_dtype = np.dtype(self.dtype.as_numpy_dtype)
+        np_dtype = codec.to_numpy_dtype(self.dtype)
         if self.nbytes == 0:
             return np.empty(0, dtype=np_dtype)
         raw = (ctypes.c_char * self.nbytes).from_address(self.data)
@@ -360,8 +360,8 @@ def next_grad(timeout_s: float | None = None) -> Grad | None:
     if rc == 0:
         return None
     _check(rc, "next_grad")
-    return Grad(key=info.key, step=info.step, handle=info.handle,
-                dtype=tf.dtypes.as_dtype(info.dtype), nbytes=info.nbytes,
+    return Grad(key=info.key, iteration=info.step, handle=info.handle,
+                dtype=tf.dtypes.as_dtype(info.dtype).name, nbytes=info.nbytes,
                 data=info.data or 0, ready_ns=info.ready_ns)
 
 

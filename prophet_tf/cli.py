@@ -17,7 +17,7 @@ _COMMANDS = {
     "doctor": ("prophet_tf.tools.doctor", "check versions, the op library and the PS tasks of TF_CONFIG"),
     "plot": ("prophet_tf.tools.plot", "draw timelines (Gantt chart per worker) or a bench result"),
     "bench": ("prophet_tf.bench.runner", "compare schedulers on an emulated bandwidth-limited cluster"),
-    "simulate": ("prophet_tf.bench.simulate", "simulate the schedulers on a profiled model at any scale"),
+    "simulate": ("prophet_tf.bench.simulate_cli", "simulate the schedulers on a profiled model at any scale"),
 }
 
 

@@ -23,7 +23,6 @@ TF-private imports stay in this module.
 """
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 from typing import Any
@@ -36,19 +35,12 @@ from tensorflow.python.ops import control_flow_util
 from prophet_tf import _keras_compat
 from prophet_tf import _native
 from prophet_tf import cluster as cluster_lib
+from prophet_tf import keras_optimizer
 from prophet_tf.variables import PSVariable
 
 logger = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-# Optimizer options the PS cannot reproduce exactly, with the reason.
-_UNSUPPORTED_OPTIMIZER_OPTIONS = {
-    "clipnorm": "each worker would clip its own half of the gradient before the sum",
-    "clipvalue": "each worker would clip its own half of the gradient before the sum",
-    "global_clipnorm": "each worker would clip its own half of the gradient before the sum",
-    "use_ema": "the moving average would live on the workers, not on the PS",
-    "gradient_accumulation_steps": "accumulation would happen on the workers, not on the PS",
-}
 
 
 class Strategy(one_device_strategy.OneDeviceStrategy):
@@ -90,7 +82,7 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
         from prophet_tf.engine import Engine  # Imports grpc; keep it out of module import.
         engine = Engine(config, scheduler=scheduler, scheduler_options=scheduler_options,
                         rpc_timeout_s=rpc_timeout_s, timeline=timeline,
-                        make_shapers=shaping.from_env)
+                        make_shapers=shaping.from_env, runtime=_native)
         _native.load()  # Fail here, with the rebuild hint, if the op library is broken.
         distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine))
 
@@ -249,8 +241,11 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             # Steps the optimizer already counts: restored by BackupAndRestore
             # (or load_weights), the PS continues from the same step.
             resume_step = int(optimizer.iterations.numpy())
+            # Worker 0's values are every worker's version 0.
+            initial = ({i: v.initial_numpy() for i, v in enumerate(trained)}
+                       if self.engine.worker_id == 0 else None)
             start = self.engine.start(trained, config, _learning_rate_reader(optimizer),
-                                      resume_step=resume_step)
+                                      resume_iteration=resume_step, initial_values=initial)
             if start:
                 if not traced:
                     raise NotImplementedError(
@@ -317,21 +312,12 @@ def _optimizer_of(update_fn):
 
 
 def optimizer_config(optimizer, trained: list) -> str:
-    """The JSON config the PS rebuilds the optimizer from.
+    """The JSON config the PS rebuilds the optimizer from (`keras_optimizer.config_json`).
 
     Raises:
-      ValueError: the optimizer uses an option the PS cannot apply exactly.
+      ValueError: an optimizer or option the PS cannot apply exactly.
     """
-    from prophet_tf.ps.client import optimizer_config_json
-    for option, reason in _UNSUPPORTED_OPTIMIZER_OPTIONS.items():
-        value = getattr(optimizer, option, None)
-        if value:
-            raise ValueError(f"prophet_tf cannot apply the optimizer option {option}: {reason}. "
-                             f"Remove it from the optimizer. Received: {option}={value!r}")
-    config = json.loads(optimizer_config_json(optimizer, trained))
-    # The worker unscales gradients before pushing them; the PS must not again.
-    config.get("config", {}).pop("loss_scale_factor", None)
-    return json.dumps(config)
+    return keras_optimizer.config_json(optimizer, trained)
 
 
 def split_batches(dataset: tf.data.Dataset, num_workers: int, index: int) -> tf.data.Dataset:

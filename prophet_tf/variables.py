@@ -9,8 +9,8 @@ never read after creation.
 
 Versions: version 0 is the initial value (staged locally at creation, and
 replaced by the chief's when training starts); version k is the value after k
-optimizer steps. A read in training step k asks for version k; a read outside
-training asks for the latest step, which makes evaluate, predict, save and
+optimizer steps. A read in training iteration k asks for version k; a read
+outside training asks for the latest iteration, which makes evaluate, predict, save and
 get_weights see the latest parameters.
 """
 from __future__ import annotations
@@ -46,7 +46,17 @@ class PSVariable(resource_variable_ops.ResourceVariable):
 
     @property
     def ps_key(self) -> int:
+        """The op library's key of this variable (its creation index), not the PS key."""
         return self._ps_key
+
+    def initial_numpy(self) -> np.ndarray:
+        """Version 0 as staged locally: the value worker 0 registers with the PS.
+
+        Read at version 0 explicitly: in eager mode the step counter has
+        already moved on to the step being traced.
+        """
+        return _native.await_param(0, key=self._ps_key, dtype=self.dtype,
+                                   shape=self.shape).numpy()
 
     def _read_variable_op(self, no_copy=False):
         del no_copy  # The staged tensor is shared, never copied.

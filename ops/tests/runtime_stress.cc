@@ -45,7 +45,7 @@ using tensorflow::TensorShape;
 constexpr uint64_t kDefaultSeed = 20240611;
 constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
 constexpr int64_t kI64Min = std::numeric_limits<int64_t>::min();
-constexpr int32_t kEngineStampKind = 16;  // 16..19: prophet_stamp from workers
+constexpr int32_t kCallerStampKind = 16;  // 16..19: prophet_stamp from workers
 constexpr int32_t kBenchStampKind = 40;   // prophet_stamp_benchmark records
 constexpr int kMaxHeldGrads = 8;
 constexpr int64_t kMaxQueuedGrads = 256;
@@ -1201,7 +1201,7 @@ class Worker {
 
   void Stamp() {
     const int64_t seq = ++stamp_seq_;
-    prophet_stamp(index_, seq, kEngineStampKind + static_cast<int32_t>(seq % 4));
+    prophet_stamp(index_, seq, kCallerStampKind + static_cast<int32_t>(seq % 4));
     g_stamps_recorded.fetch_add(1);
     Inc(kStamp);
     if (rng_.Chance(0.002)) {
@@ -1244,10 +1244,10 @@ class Worker {
           Violation("DELIVER stamp with key=%lld step=%lld that was never committed this phase",
                     (long long)r.key, (long long)r.step);
         }
-      } else if (r.kind >= kEngineStampKind && r.kind < kEngineStampKind + 4) {
+      } else if (r.kind >= kCallerStampKind && r.kind < kCallerStampKind + 4) {
         ++engine;
         if (r.key < 0 || r.key >= static_cast<int64_t>(last_seq->size()) ||
-            r.kind != kEngineStampKind + static_cast<int32_t>(r.step % 4)) {
+            r.kind != kCallerStampKind + static_cast<int32_t>(r.step % 4)) {
           Violation("engine stamp with key=%lld step=%lld kind=%d not recorded as such", (long long)r.key,
                     (long long)r.step, r.kind);
           continue;

@@ -5,9 +5,12 @@
 - :mod:`prophet_tf.bench.worker`: the training process of one bench worker.
 - :mod:`prophet_tf.bench.models`: the bench models and per-variable compute profiles.
 - :mod:`prophet_tf.bench.ideal`: the ideal step time of a run.
-- :mod:`prophet_tf.bench.simulate`: ``prophet-tf simulate``, driving the engine's schedulers.
+- :mod:`prophet_tf.bench.simulate`: the simulation, driving the engine's dispatch and schedulers;
+  :mod:`prophet_tf.bench.simulate_cli`: ``prophet-tf simulate``.
 - :mod:`prophet_tf.bench.shaping`: the transport's token bucket (fallback without namespaces).
 
-Nothing here is imported by ``prophet_tf`` itself; TensorFlow is imported
-only by the worker and the profiler.
+The training path imports only :mod:`~prophet_tf.bench.shaping`, from
+``prophet_tf.strategy``, which hands its buckets to the engine; nothing under
+``prophet_tf.ps`` or ``prophet_tf.engine`` imports this package. TensorFlow is
+imported only by the worker and the profiler.
 """

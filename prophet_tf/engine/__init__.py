@@ -1,10 +1,12 @@
 """The worker-side engine: scheduling and moving gradients and parameters.
 
-`prophet_tf.engine.schedulers` needs no TensorFlow; the engine itself is
-imported on first use so that the schedulers stay light to import.
+Nothing under ``prophet_tf.engine`` imports TensorFlow: the worker hands the
+engine its op runtime. ``Engine`` (which needs grpc) is imported on first use,
+so ``prophet_tf.engine.schedulers`` and ``prophet_tf.engine.dispatch`` stay
+light to import.
 """
 
-__all__ = ["Engine", "EngineStamp"]
+__all__ = ["Engine"]
 
 
 def __getattr__(name):

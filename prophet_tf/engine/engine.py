@@ -3,55 +3,44 @@
 Threads (all daemons; any failure aborts the op runtime, so a waiting
 AwaitParam fails with the message instead of hanging):
 
-- pump: takes ready gradients from the op library (`PushGrad` enqueued them),
-  tells the scheduler about each partition, and queues each block the
-  scheduler releases on its PS link; on the first gradient of step k it asks
-  every PS for version k+1.
-- one sender per PS task: pushes its link's blocks in order, each as one
-  asynchronous RPC, at most two on the wire; a finished push tells the
-  scheduler (`on_sent`), which may release more.
+- pump: takes ready gradients from the op runtime (`PushGrad` enqueued them)
+  and hands them to the dispatch; on the first gradient of iteration k it
+  asks every PS for version k+1. Every block the dispatch releases goes to
+  its link's sender.
+- one sender per PS task: pushes each block it is handed as one asynchronous
+  RPC, at once (the dispatch's window bounds what is in flight); a finished
+  push tells the dispatch (`on_sent`), which may release more.
 - one puller per PS task: streams the task's partitions of a version in
   priority order and delivers each parameter once all its partitions are in.
 
-Keys: the op library knows a variable by its creation index (`ps_key`); the
-PS knows the trained variables by their position in `trainable_variables`
-(which is also their priority). The engine maps between the two.
+The engine imports no TensorFlow: the op runtime is handed in (the worker
+passes ``prophet_tf._native``), gradients' dtypes are names, and worker 0's
+initial values arrive as numpy arrays.
 """
 from __future__ import annotations
 
 import atexit
-import enum
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import grpc
 import numpy as np
 
-from prophet_tf import _native, codec, progress
-from prophet_tf.engine import timeline as timeline_lib
 from prophet_tf import cluster as cluster_lib
-from prophet_tf.engine import schedulers
-from prophet_tf.ps import sharding
+from prophet_tf import codec, progress
+from prophet_tf.engine import liveness, schedulers
+from prophet_tf.engine import timeline as timeline_lib
+from prophet_tf.engine.delivery import Assembler
+from prophet_tf.engine.dispatch import Dispatch
 from prophet_tf.ps.client import Chunk, PSClient, variable_specs
 
 logger = logging.getLogger(__name__)
 
 SCHEDULER_ENV = "PROPHET_TF_SCHEDULER"
-
-
-class EngineStamp(enum.IntEnum):
-    """Engine events in the op library's stamp buffer (kinds >= 16).
-
-    Like the ops' own stamps, they name a variable by its op-library key.
-    """
-
-    PUSH_BEGIN = 16  # step = training step
-    PUSH_END = 17
-    PULL_RECEIVED = 18  # one partition of version `step` arrived
 
 
 class Engine:
@@ -68,13 +57,15 @@ class Engine:
         prophet_tf.engine.timeline); None reads PROPHET_TF_TIMELINE; "" disables.
       make_shapers: called once per PS link for the link shaping its client
         applies (see prophet_tf.bench.shaping.from_env); None: no shaping.
+      runtime: the op runtime the engine drives: ``prophet_tf._native``, or
+        an object with the same ``next_grad``, ``release_grad``,
+        ``queued_grads``, ``deliver_begin/write/commit``, ``drain_stamps``,
+        ``stamps_dropped`` and ``abort``.
 
     Raises:
       ValueError: an unknown scheduler or option, or a bad timeout.
     """
 
-    #: Pushes on the wire per PS link: two hide the gap between transfers.
-    MAX_RPCS_PER_LINK = 2
     #: Seconds between heartbeats to each PS (its --worker-timeout is 10 s).
     HEARTBEAT_INTERVAL_S = 1.0
     #: A PS that answers no heartbeat for this long is lost.
@@ -84,7 +75,7 @@ class Engine:
 
     def __init__(self, config: cluster_lib.ClusterConfig, scheduler: str | None = None, *,
                  scheduler_options: dict | None = None, rpc_timeout_s: float = 120.0,
-                 timeline: str | None = None, make_shapers=None):
+                 timeline: str | None = None, make_shapers=None, runtime=None):
         spec = scheduler if scheduler is not None else os.environ.get(SCHEDULER_ENV, "fifo")
         name, options = schedulers.parse_scheduler(spec)
         options.update(scheduler_options or {})
@@ -97,6 +88,10 @@ class Engine:
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.timeline = os.environ.get(timeline_lib.TIMELINE_ENV, "") if timeline is None \
             else timeline
+        if runtime is None:
+            raise ValueError("the engine needs the op runtime (prophet_tf._native). "
+                             "Received: runtime=None")
+        self._native = runtime
         self._make_shapers = make_shapers
         self._started = False
         self._stop = threading.Event()
@@ -110,40 +105,49 @@ class Engine:
     # -- start ---------------------------------------------------------------------------
 
     def start(self, variables: Sequence, optimizer_config: str,
-              learning_rate: Callable[[], float] | None = None, resume_step: int = 0) -> int:
+              learning_rate: Callable[[], float] | None = None, resume_iteration: int = 0,
+              initial_values: Mapping[int, np.ndarray] | None = None) -> int:
         """Registers the trained variables with every PS, stages the first version, starts threads.
 
         Args:
-          variables: the trained PSVariables in trainable_variables order.
+          variables: the trained variables in trainable_variables order: each
+            with ``ps_key`` (its op-library key), ``shape``, ``dtype`` and a
+            ``path`` or ``name``.
           optimizer_config: JSON the PS rebuilds the Keras optimizer from.
           learning_rate: reads the worker optimizer's current learning rate
             (None when it is a schedule, which the PS computes itself); read
-            when each step's first gradient arrives and sent with its pushes,
-            so callbacks that change it reach the PS.
-          resume_step: steps this worker's own state already trained (its
-            optimizer's restored iteration count); 0 for a fresh start.
+            when each iteration's first gradient arrives and sent with its
+            pushes, so callbacks that change it reach the PS.
+          resume_iteration: iterations this worker's own state already trained
+            (its optimizer's restored iteration count); 0 for a fresh start.
+          initial_values: worker 0 only: each variable's initial value by
+            position in ``variables`` (version 0, the values every worker
+            starts from); None on the other workers.
 
         Returns:
-          The step training starts from: 0, ``resume_step``, or the step of
-          the checkpoint the PS tasks restored.
+          The iteration training starts from: 0, ``resume_iteration``, or the
+          iteration of the checkpoint the PS tasks restored.
+
+        Raises:
+          ValueError: worker 0 without every initial value, or another worker
+            with them.
         """
         if self._started:
             raise RuntimeError("the engine was already started")
-        self._scheduler = schedulers.make_scheduler(self.scheduler_name, **self.scheduler_options)
-        self._partition_bytes = (self._scheduler.partition_bytes
-                                 or schedulers.DEFAULT_PARTITION_BYTES)
-        self._native_keys = [v.ps_key for v in variables]
-        self._ps_key_of = {k: i for i, k in enumerate(self._native_keys)}
+        if (self.worker_id == 0) != (initial_values is not None):
+            raise ValueError("worker 0, and only worker 0, sends the initial values. Received: "
+                             f"initial_values={'None' if initial_values is None else 'given'} "
+                             f"on worker {self.worker_id}")
+        if initial_values is not None and sorted(initial_values) != list(range(len(variables))):
+            raise ValueError(f"initial_values needs one array per variable (keys 0 to "
+                             f"{len(variables) - 1}). Received: keys {sorted(initial_values)}")
         self._specs = specs = variable_specs(variables)
-        self._plan = sharding.plan(specs, self.config.num_ps, self._partition_bytes)
-        self._partitions_of: dict[int, list[sharding.Partition]] = {}
-        for p in self._plan:
-            self._partitions_of.setdefault(p.key, []).append(p)
-        self._row_bytes = [
-            int(np.prod(s.shape[1:], dtype=np.int64)) * _itemsize(s.dtype) if s.shape else
-            _itemsize(s.dtype) for s in specs]
+        scheduler = schedulers.make_scheduler(self.scheduler_name, **self.scheduler_options)
+        self._dispatch = dispatch = Dispatch([v.ps_key for v in variables], specs,
+                                             self.config.num_ps, scheduler)
+        self._assembler = Assembler(self._native, dispatch)
         self._recorder = timeline_lib.Recorder(
-            self.worker_id, {k: v.name for k, v in zip(self._native_keys, specs)}) \
+            self.worker_id, {k: v.name for k, v in zip(dispatch.native_keys, specs)}) \
             if self.timeline else None
         codec.tune_allocator()  # Recycle transfer buffers instead of page-faulting them in.
         self._clients = [PSClient(address, self.worker_id, self.config.num_workers,
@@ -153,28 +157,22 @@ class Engine:
             client.wait_ready(self.rpc_timeout_s)
         # Heartbeats start before Register: registering may wait for worker
         # 0's values, and a worker that dies meanwhile must be noticed too.
-        self._last_step = -1
         for i in range(len(self._clients)):
             self._spawn(f"prophet-tf-heartbeat-{i}", self._heartbeat, i)
         try:
-            self.start_step = start = self._register(variables, optimizer_config, resume_step)
+            self.start_iteration = start = self._register(
+                optimizer_config, resume_iteration, initial_values)
         except BaseException:
             self._stop.set()  # No heartbeats for a worker that will not train.
             raise
-        self._lock = threading.Lock()  # The scheduler, the gradients, the in-flight counts.
+        self._lock = threading.Lock()  # The dispatch and the learning rates.
         self._idle = threading.Condition(self._lock)
-        self._grads: dict[tuple[int, int], list] = {}  # (ps key, step) -> [Grad, unsent parts]
-        self._arrived_of_step: dict[int, int] = {}  # step -> gradients arrived so far
-        self._rpcs = [0] * len(self._clients)
-        self._rpc_free = [threading.Condition(self._lock) for _ in self._clients]
         self._send_queues = [queue.Queue() for _ in self._clients]
         self._pull_queues = [queue.Queue() for _ in self._clients]
-        self._assembly: dict[tuple[int, int], list] = {}
-        self._assembly_lock = threading.Lock()
-        self._last_step = start - 1
+        dispatch.last_iteration = start - 1
         self._plan_version = None
         self._learning_rate = learning_rate
-        self._step_learning_rates: dict[int, float] = {}
+        self._learning_rates: dict[int, float] = {}  # iteration -> its learning rate
         # The first version comes from the PS, so every worker starts from
         # the same values (worker 0's, or a checkpoint's).
         for ps_index in range(len(self._clients)):
@@ -184,26 +182,25 @@ class Engine:
             self._spawn(f"prophet-tf-send-{i}", self._sender, i)
             self._spawn(f"prophet-tf-pull-{i}", self._puller, i)
         self._started = True
-        # Push the last step's gradients before the interpreter exits, or the
-        # other workers would wait for them in vain.
+        # Push the last iteration's gradients before the interpreter exits, or
+        # the other workers would wait for them in vain.
         atexit.register(self.shutdown)
         logger.info("worker %d: training %d variables through %d PS task(s), scheduler %s%s",
                     self.worker_id, len(specs), len(self._clients), self.scheduler_name,
                     f", from step {start}" if start else "")
         return start
 
-    def _register(self, variables, optimizer_config: str, resume_step: int) -> int:
-        """Declares the model to every PS; returns the step training starts from."""
-        initial = None
-        if self.worker_id == 0:
-            # Version 0, staged at creation (in eager mode the step counter
-            # has already moved on to the step being traced).
-            initial = {i: _native.await_param(0, key=v.ps_key, dtype=v.dtype,
-                                              shape=v.shape).numpy()
-                       for i, v in enumerate(variables)}
-        versions = [client.register(self._specs, optimizer_config, initial,
-                                    timeout=self.rpc_timeout_s, resume_step=resume_step,
-                                    max_partition_bytes=self._partition_bytes).version
+    @property
+    def _last_iteration(self) -> int:
+        dispatch = getattr(self, "_dispatch", None)
+        return -1 if dispatch is None else dispatch.last_iteration
+
+    def _register(self, optimizer_config: str, resume_iteration: int,
+                  initial_values: Mapping[int, np.ndarray] | None) -> int:
+        """Declares the model to every PS; returns the iteration training starts from."""
+        versions = [client.register(self._specs, optimizer_config, initial_values,
+                                    timeout=self.rpc_timeout_s, resume_step=resume_iteration,
+                                    max_partition_bytes=self._dispatch.partition_bytes).version
                     for client in self._clients]
         if len(set(versions)) != 1:
             raise RuntimeError(
@@ -229,60 +226,43 @@ class Engine:
             self._error = error
             message = f"prophet_tf engine on worker {self.worker_id} failed: {error}"
             logger.error(message)
-            _native.abort(message)
+            self._native.abort(message)
         self._stop.set()
 
     # -- gradients out -------------------------------------------------------------------
 
     def _pump(self):
-        """Ready gradients -> scheduler -> per-link send queues."""
+        """Ready gradients -> dispatch -> the links' senders."""
+        native, dispatch = self._native, self._dispatch
         while not self._stop.is_set():
-            grad = _native.next_grad(0.1)
+            grad = native.next_grad(0.1)
             if grad is None:
                 continue
-            key = self._ps_key_of.get(grad.key)
-            if key is None:
-                _native.release_grad(grad.handle)
-                raise RuntimeError(f"a gradient arrived for unregistered variable key {grad.key}")
-            if grad.step > self._last_step:
-                # First gradient of a new step: the PS will have step+1 soon.
-                self._last_step = grad.step
-                progress.report(step=grad.step + 1)  # For `prophet-tf launch`.
+            if dispatch.starts_iteration(grad.iteration):
+                # First gradient of iteration k: the PS will have version k+1 soon.
+                progress.report(step=grad.iteration + 1)  # For `prophet-tf launch`.
                 if self._learning_rate is not None:
                     with self._lock:
-                        self._step_learning_rates[grad.step] = float(self._learning_rate())
-                        self._step_learning_rates.pop(grad.step - 8, None)
+                        self._learning_rates[grad.iteration] = float(self._learning_rate())
+                        self._learning_rates.pop(grad.iteration - 8, None)
                 for q in self._pull_queues:
-                    q.put(grad.step + 1)
+                    q.put(grad.iteration + 1)
                 self._record_plan()
-            partitions = self._partitions_of[key]
-            priority = self._specs[key].priority
             with self._lock:
-                if (key, grad.step) in self._grads:
-                    # Its buffer may still be read by a sender: never replace it.
-                    _native.release_grad(grad.handle)
-                    raise RuntimeError(f"a second gradient arrived for variable key {grad.key} "
-                                       f"at step {grad.step}")
-                self._grads[key, grad.step] = [grad, len(partitions)]
-                for p in partitions:
-                    self._scheduler.add(schedulers.ReadyItem(
-                        key=key, partition=p.partition, ps_index=p.ps_index, step=grad.step,
-                        priority=priority, nbytes=p.nbytes, ready_ns=grad.ready_ns))
-                arrived = self._arrived_of_step.pop(grad.step, 0) + 1
-                if arrived == len(self._specs):
-                    # The step's backprop is over (the last step of fit too):
-                    # nothing is held back for gradients that will not come.
-                    self._scheduler.flush()
-                else:
-                    self._arrived_of_step[grad.step] = arrived
+                try:
+                    dispatch.add(grad.key, grad.iteration, grad.ready_ns, grad)
+                except BaseException:
+                    # Never replace a buffer a sender may still read: drop the new one.
+                    native.release_grad(grad.handle)
+                    raise
                 self._drain_locked()
 
     def _drain_locked(self) -> None:
-        while block := self._scheduler.next_block(time.monotonic_ns()):
+        for block in self._dispatch.next_blocks(time.monotonic_ns()):
             self._send_queues[block[0].ps_index].put(block)
 
     def _sender(self, ps_index: int):
-        """Pushes one link's blocks in order, at most MAX_RPCS_PER_LINK at a time."""
+        """Pushes one link's blocks in order, each at once (the window bounds them)."""
         client = self._clients[ps_index]
         while not self._stop.is_set():
             try:
@@ -290,40 +270,27 @@ class Engine:
             except queue.Empty:
                 continue
             with self._lock:
-                while self._rpcs[ps_index] >= self.MAX_RPCS_PER_LINK and not self._stop.is_set():
-                    self._rpc_free[ps_index].wait(0.1)
-                self._rpcs[ps_index] += 1
-                chunks = [Chunk(item.key, item.partition, item.step, self._rows(item))
+                chunks = [Chunk(item.key, item.partition, item.iteration, self._rows(item))
                           for item in block]
-                steps = {item.step for item in block}
-                learning_rate = self._step_learning_rates.get(block[0].step) \
-                    if len(steps) == 1 else None
-            for key, step in {(item.key, item.step) for item in block}:
-                _native.stamp(self._native_keys[key], step, EngineStamp.PUSH_BEGIN)
+                iterations = {item.iteration for item in block}
+                learning_rate = self._learning_rates.get(block[0].iteration) \
+                    if len(iterations) == 1 else None
             start = time.monotonic_ns()
             future = client.push_future(chunks, timeout=self.rpc_timeout_s,  # Serialized here.
                                         learning_rate=learning_rate)
-            self._release(block)
+            with self._lock:
+                for grad in self._dispatch.release(block):
+                    self._native.release_grad(grad.handle)
             future.add_done_callback(
                 lambda f, block=block, start=start: self._pushed(f, ps_index, block, start))
 
     def _rows(self, item: schedulers.ReadyItem) -> np.ndarray:
-        flat = self._grads[item.key, item.step][0].view()
+        flat = self._dispatch.payload(item).view()
         shape = self._specs[item.key].shape
         if not shape:
             return flat
-        p = self._partitions_of[item.key][item.partition]
+        p = self._dispatch.partition(item)
         return flat.reshape(shape)[p.row_begin:p.row_end]
-
-    def _release(self, block) -> None:
-        """Returns the gradient buffers whose every partition has been serialized."""
-        with self._lock:
-            for item in block:
-                entry = self._grads[item.key, item.step]
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._grads[item.key, item.step]
-                    _native.release_grad(entry[0].handle)
 
     def _pushed(self, future, ps_index: int, block, start: int) -> None:
         end = time.monotonic_ns()
@@ -333,18 +300,14 @@ class Engine:
             if not self._stop.is_set():
                 self._fail(RuntimeError(
                     f"push to PS {ps_index} at {self._clients[ps_index].address} failed: "
-                    f"{_rpc_message(e)}"))
+                    f"{liveness.rpc_message(e)}"))
             return
-        for key, step in {(item.key, item.step) for item in block}:
-            _native.stamp(self._native_keys[key], step, EngineStamp.PUSH_END)
         if self._recorder is not None:
             self._recorder.transfer(timeline_lib.Transfer(
-                "push", ps_index, tuple(self._native_keys[i.key] for i in block),
-                sum(i.nbytes for i in block), block[0].step, start, end))
+                "push", ps_index, tuple(self._dispatch.native_keys[i.key] for i in block),
+                sum(i.nbytes for i in block), block[0].iteration, start, end))
         with self._lock:
-            self._rpcs[ps_index] -= 1
-            self._rpc_free[ps_index].notify_all()
-            self._scheduler.on_sent(block, start, end)
+            self._dispatch.on_sent(block, start, end)
             self._drain_locked()
             self._idle.notify_all()
 
@@ -352,7 +315,7 @@ class Engine:
         if self._recorder is None:
             return
         with self._lock:
-            plan = self._scheduler.plan()
+            plan = self._dispatch.plan()
         version = plan.get("version", 0)
         if version != self._plan_version:
             self._plan_version = version
@@ -371,8 +334,7 @@ class Engine:
     def _pull_version(self, ps_index: int, version: int) -> None:
         """Streams one PS's partitions of `version` in priority order and delivers them."""
         client = self._clients[ps_index]
-        owned = sorted((p for p in self._plan if p.ps_index == ps_index),
-                       key=lambda p: (self._specs[p.key].priority, p.partition))
+        owned = self._dispatch.pull_order(ps_index)
         previous = time.monotonic_ns()
         waited_s = 0.0
         while owned:
@@ -384,15 +346,14 @@ class Engine:
                                            f"Received: key {chunk.key} partition "
                                            f"{chunk.partition} version {chunk.version}")
                     expected = owned.pop(0)  # Partitions arrive in the order asked for.
-                    # The key asked for, not the wire's: _deliver_partition checks that.
-                    native_key = self._native_keys[expected.key]
-                    _native.stamp(native_key, version, EngineStamp.PULL_RECEIVED)
                     if self._recorder is not None:
+                        # The key asked for, not the wire's: the assembler checks that.
+                        native_key = self._dispatch.native_keys[expected.key]
                         self._recorder.transfer(timeline_lib.Transfer(
                             "pull", ps_index, (native_key,), chunk.array.nbytes, version,
                             previous, arrived))
                     previous = arrived
-                    self._deliver_partition(chunk, expected, version)
+                    self._assembler.deliver(chunk, expected, version)
             except Exception as e:
                 if self._stop.is_set():
                     return
@@ -406,79 +367,21 @@ class Engine:
                                    ps_index, client.address, waited_s)
                     continue
                 raise RuntimeError(f"pull of version {version} from PS {ps_index} at "
-                                   f"{client.address} failed: {_rpc_message(e)}") from e
-
-    def _deliver_partition(self, chunk, expected: sharding.Partition, version: int) -> None:
-        """Checks a pulled chunk against the partition asked for, then stages it."""
-        key = expected.key
-        if (chunk.key, chunk.partition) != (key, expected.partition) or chunk.version < version:
-            raise RuntimeError(
-                f"PS {expected.ps_index} sent another partition than the one asked for: "
-                f"expected key {key} partition {expected.partition} at version >= {version}. "
-                f"Received: key {chunk.key} partition {chunk.partition} version {chunk.version}")
-        data = chunk.array
-        spec = self._specs[key]
-        if data.nbytes != expected.nbytes or codec.dtype_name(data.dtype) != spec.dtype:
-            raise RuntimeError(
-                f"PS {expected.ps_index} sent key {key} partition {expected.partition} with "
-                f"{data.nbytes} bytes of {codec.dtype_name(data.dtype)}; the partition holds "
-                f"{expected.nbytes} bytes of {spec.dtype}")
-        native_key = self._native_keys[key]
-        with self._assembly_lock:
-            remaining = self._assembly.get((key, version))
-            if remaining is None:
-                _native.deliver_begin(native_key, version)
-                remaining = self._assembly[key, version] = [len(self._partitions_of[key])]
-        # Bounds-checked by the runtime; disjoint partitions copy in parallel.
-        _native.deliver_write(native_key, version, expected.row_begin * self._row_bytes[key], data)
-        with self._assembly_lock:
-            remaining[0] -= 1
-            done = remaining[0] == 0
-            if done:
-                del self._assembly[key, version]
-        if done:
-            _native.deliver_commit(native_key, version)
+                                   f"{client.address} failed: {liveness.rpc_message(e)}") from e
 
     # -- liveness ------------------------------------------------------------------------
 
     def _heartbeat(self, ps_index: int) -> None:
-        """Keeps this worker alive on one PS and learns there when the job failed.
-
-        Pulls fail at once when a PS's connection breaks, but a worker that is
-        computing has no pull waiting, and a PS host that vanishes breaks no
-        connection: the heartbeat's deadline notices both.
-        """
-        client = self._clients[ps_index]
-        silent_since = None
-        while True:
-            try:
-                failure = client.heartbeat(self._last_step + 1, timeout=self.PS_TIMEOUT_S / 2)
-            except Exception as e:  # noqa: BLE001 - classified below
-                code = getattr(e, "code", None)
-                transient = callable(code) and code() in _TRANSIENT_CODES
-                now = time.monotonic()
-                silent_since = silent_since or now
-                if self._stop.is_set():
-                    return
-                if not transient or now - silent_since >= self.PS_TIMEOUT_S:
-                    raise RuntimeError(
-                        f"PS {ps_index} at {client.address} is unreachable (no heartbeat "
-                        f"answer for {now - silent_since:.1f} s): {_rpc_message(e)}") from e
-            else:
-                silent_since = None
-                if failure:
-                    raise RuntimeError(f"PS {ps_index} at {client.address} reports that the "
-                                       f"job failed: {failure}")
-            if self._stop.wait(self.HEARTBEAT_INTERVAL_S):
-                return
+        liveness.heartbeat(self._clients[ps_index], ps_index, lambda: self._last_iteration + 1,
+                           self._stop, self.HEARTBEAT_INTERVAL_S, self.PS_TIMEOUT_S)
 
     def _leave(self) -> None:
-        """Tells every PS this worker stops after the steps it pushed."""
+        """Tells every PS this worker stops after the iterations it pushed."""
         for client in self._clients:
             try:
-                client.heartbeat(self._last_step + 1, leaving=True, timeout=2.0)
+                client.heartbeat(self._last_iteration + 1, leaving=True, timeout=2.0)
             except Exception as e:  # noqa: BLE001 - the PS may be gone already
-                logger.debug("leaving PS at %s: %s", client.address, _rpc_message(e))
+                logger.debug("leaving PS at %s: %s", client.address, liveness.rpc_message(e))
 
     # -- stop ----------------------------------------------------------------------------
 
@@ -489,10 +392,9 @@ class Engine:
         deadline = time.monotonic() + (self.rpc_timeout_s if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and self._error is None:
             with self._lock:
-                self._scheduler.flush()
+                self._dispatch.flush()
                 self._drain_locked()
-                if (not self._grads and not any(self._rpcs) and _native.queued_grads() == 0
-                        and all(q.empty() for q in self._send_queues)):
+                if self._dispatch.idle and self._native.queued_grads() == 0:
                     return True
                 self._idle.wait(0.05)
         return False
@@ -503,7 +405,7 @@ class Engine:
             flushed = self.flush(flush_timeout_s)
             self.write_timeline()
             self._stop.set()
-            if flushed:  # Otherwise the PS must not count the unsent steps as pushed.
+            if flushed:  # Otherwise the PS must not count the unsent iterations as pushed.
                 self._leave()
         self._stop.set()
         # Closing the channels first cancels any RPC a thread still waits on
@@ -522,22 +424,7 @@ class Engine:
         """Writes this worker's timeline (if enabled); returns its path."""
         if not self._started or self._recorder is None:
             return None
-        path = self._recorder.write(self.timeline, _native.drain_stamps(),
-                                    _native.stamps_dropped())
+        path = self._recorder.write(self.timeline, self._native.drain_stamps(),
+                                    self._native.stamps_dropped())
         logger.info("worker %d: timeline written to %s", self.worker_id, path)
         return path
-
-
-# Heartbeat errors that may pass (a PS restarting its listener, a slow answer).
-_TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def _itemsize(dtype_name: str) -> int:
-    return codec.to_numpy_dtype(dtype_name).itemsize
-
-
-def _rpc_message(error: Exception) -> str:
-    code = getattr(error, "code", None)
-    if callable(code):
-        return f"{code().name}: {error.details()}"
-    return str(error)

@@ -16,6 +16,7 @@ gets one `worker-<i>.json` per worker.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import threading
@@ -26,8 +27,20 @@ TIMELINE_ENV = "PROPHET_TF_TIMELINE"
 _FORWARD, _BACKWARD, _PLAN = 1, 2, 3
 _PUSH_BASE, _PULL_BASE = 100, 200
 
-# Stamp kinds (prophet_tf._native.StampKind and prophet_tf.engine.EngineStamp).
-_READY, _AWAIT_BEGIN, _AWAIT_END = 0, 1, 2
+
+
+class StampKind(enum.IntEnum):
+    """Kinds of the op runtime's stamp records: the one Python definition.
+
+    Mirrors ``ProphetStampKind`` in ops/runtime.h (tests/unit/test_native.py
+    compares the two through the built library). Values 0..15 are the
+    runtime's; ``prophet_tf._native.stamp`` callers use kinds >= 16.
+    """
+
+    READY = 0        # a gradient is ready (ReadyStamp / PushGrad ran)
+    AWAIT_BEGIN = 1  # AwaitParam started waiting
+    AWAIT_END = 2    # AwaitParam completed: the layer's forward can start
+    DELIVER = 3      # the engine committed a parameter value (the record's step: the version)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +51,7 @@ class Transfer:
     ps_index: int
     keys: tuple[int, ...]  # op-library keys
     nbytes: int
-    step: int  # training step of a push; version of a pull
+    iteration: int  # training iteration of a push; version of a pull
     start_ns: int
     end_ns: int
 
@@ -105,13 +118,13 @@ def build_trace(worker: int, stamps, transfers: list[Transfer], plans: list[tupl
     for record in sorted(stamps, key=lambda r: int(r["t_ns"])):
         key, step, t, kind = int(record["key"]), int(record["step"]), int(record["t_ns"]), \
             int(record["kind"])
-        if kind == _READY:
+        if kind == StampKind.READY:
             events.append({"ph": "i", "s": "t", "name": f"grad {name_of(key)}", "pid": pid,
                            "tid": _BACKWARD, "ts": t / 1e3, "cat": "backward",
                            "args": {"key": key, "step": step}})
-        elif kind == _AWAIT_BEGIN:
+        elif kind == StampKind.AWAIT_BEGIN:
             waiting.setdefault((key, step), t)
-        elif kind == _AWAIT_END:
+        elif kind == StampKind.AWAIT_END:
             begin = waiting.pop((key, step), t)
             events.append({"ph": "X", "name": f"read {name_of(key)}", "pid": pid,
                            "tid": _FORWARD, "ts": begin / 1e3, "dur": max(t - begin, 0) / 1e3,
@@ -126,7 +139,7 @@ def build_trace(worker: int, stamps, transfers: list[Transfer], plans: list[tupl
                        "tid": base + tr.ps_index, "ts": tr.start_ns / 1e3,
                        "dur": max(tr.end_ns - tr.start_ns, 0) / 1e3, "cat": tr.direction,
                        "args": {"keys": [name_of(k) for k in tr.keys], "bytes": tr.nbytes,
-                                ("step" if tr.direction == "push" else "version"): tr.step}})
+                                ("step" if tr.direction == "push" else "version"): tr.iteration}})
     for tid, label in sorted(links):
         events.append(_thread_name(pid, tid, label))
     for t, plan in plans:

@@ -447,10 +447,10 @@ def _draw_worker(ax, t: WorkerTimeline, rows: list[str], chosen: list[int], t0: 
     steps_text = f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}-{chosen[-1]}"
     title = f"worker {t.worker}: {t.scheduler} scheduler, {steps_text} ({hi - lo:.1f} ms)"
     plan = plan_for_iteration(t, chosen[0]) if t.scheduler == "prophet" else None
-    if plan and plan.get("steps"):
+    if plan and plan.get("bursts"):
         rates = plan.get("bandwidth_bytes_per_s", {})
         title += (f"; plan v{plan.get('version')} in step {chosen[0]}: "
-                  f"{len(plan['steps'])} burst(s), measured bandwidth "
+                  f"{len(plan['bursts'])} burst(s), measured bandwidth "
                   + ", ".join(f"PS {k} {_fmt_bytes(b)}/s" for k, b in sorted(rates.items())))
     ax.set_title(title, fontsize=10, loc="left")
 
@@ -489,12 +489,12 @@ def _draw_plan(ax, t: WorkerTimeline, row: int, chosen: list[int], ms, width_ms:
         if plan is None or not ready:
             continue
         origin = min(ready)
-        if not plan.get("steps"):
+        if not plan.get("bursts"):
             label = "profiling" if plan.get("profiling") else "no plan"
             ax.text(ms(origin), row, f" {label} (sends by priority)", fontsize=8,
                     va="center", ha="left", color="0.3")
             continue
-        for s in plan["steps"]:
+        for s in plan["bursts"]:
             start = ms(origin + s["start_ns"] / 1e3)
             arrive = ms(origin + s["arrive_ns"] / 1e3)
             ax.broken_barh([(start, max(arrive - start, 0.004 * width_ms))], (row - 0.38, 0.76),

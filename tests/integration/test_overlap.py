@@ -1,7 +1,8 @@
-"""Overlap, read from the recorded stamps of a real 2-worker run (no timing thresholds).
+"""Overlap, read from the stamps and timelines of a real 2-worker run (no timing thresholds).
 
-(a) In step k, the first gradient push starts before the last gradient of the
-    step is ready: pushes overlap backprop.
+(a) In iteration k, the first gradient push (the timeline's push transfers)
+    starts before the last gradient of the iteration is ready (the op
+    library's READY stamps): pushes overlap backprop.
 (b) Layer 0's forward of step k+1 starts (its AwaitParam completes) before the
     last parameter of version k+1 is delivered: each layer waits only for its
     own parameters, and they arrive in priority order.
@@ -12,15 +13,16 @@ layer whose backward waits), and the workers' transport is paced at 200 Mbit/s
 (prophet_tf.bench.shaping), so the later layers' 4 MB arrive about 160 ms
 after layer 0's parameters.
 """
+import json
 import os
 import sys
 
 import numpy as np
 import pytest
 
-from prophet_tf._native import StampKind
 from prophet_tf.bench import shaping
-from prophet_tf.engine import EngineStamp
+from prophet_tf.engine import timeline
+from prophet_tf.engine.timeline import StampKind
 from prophet_tf.tools.launch import launch
 
 STEPS = 8
@@ -33,19 +35,29 @@ MODEL = ["--inputs", "64", "--units", "64,256,512,512,512,512", "--batch", "1024
 
 @pytest.fixture(scope="module")
 def stamps(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("overlap") / "stamps")
-    previous = os.environ.get(shaping.SHAPE_ENV)
-    os.environ[shaping.SHAPE_ENV] = "200"  # The workers inherit it.
+    directory = tmp_path_factory.mktemp("overlap")
+    prefix = str(directory / "stamps")
+    trace = str(directory / "timeline-{worker}.json")
+    # The workers inherit both: the link pacing and where to write the timeline.
+    settings = {shaping.SHAPE_ENV: "200", timeline.TIMELINE_ENV: trace}
+    previous = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         code = launch([sys.executable, WORKER, prefix, str(STEPS), *MODEL],
                       num_workers=2, num_ps=1)
     finally:
-        if previous is None:
-            os.environ.pop(shaping.SHAPE_ENV)
-        else:
-            os.environ[shaping.SHAPE_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     assert code == 0
-    return [np.load(f"{prefix}.{i}.npz") for i in range(2)]
+    runs = []
+    for i in range(2):
+        with open(trace.replace("{worker}", str(i))) as f:
+            events = json.load(f)["traceEvents"]
+        runs.append((np.load(f"{prefix}.{i}.npz"), [e for e in events if e.get("cat") == "push"]))
+    return runs
 
 
 def _times(records, kind, step=None, key=None):
@@ -59,22 +71,24 @@ def _times(records, kind, step=None, key=None):
 
 @pytest.mark.timeout(240)
 def test_pushes_start_before_backprop_ends(stamps):
-    for run in stamps:
+    for run, pushes in stamps:
         records, keys = run["stamps"], run["keys"]
         overlapped = []
-        for step in range(1, STEPS):  # Step 0 includes tracing.
-            ready = _times(records, StampKind.READY, step)
-            pushes = _times(records, EngineStamp.PUSH_BEGIN, step)
-            assert len(ready) == len(keys) and len(pushes) == len(keys), step
-            overlapped.append(bool(pushes.min() < ready.max()))
+        for iteration in range(1, STEPS):  # Iteration 0 includes tracing.
+            ready = _times(records, StampKind.READY, iteration)
+            mine = [e for e in pushes if e["args"]["step"] == iteration]
+            pushed = {name for e in mine for name in e["args"]["keys"]}
+            assert len(ready) == len(keys) and len(pushed) == len(keys), iteration
+            first_push_ns = min(e["ts"] for e in mine) * 1e3  # the trace is in µs
+            overlapped.append(bool(first_push_ns < ready.max()))
         assert all(overlapped), (
             f"the first push began before the last gradient was ready in only "
-            f"{sum(overlapped)} of {len(overlapped)} steps: {overlapped}")
+            f"{sum(overlapped)} of {len(overlapped)} iterations: {overlapped}")
 
 
 @pytest.mark.timeout(240)
 def test_first_layer_forward_starts_before_last_parameter_arrives(stamps):
-    for run in stamps:
+    for run, _ in stamps:
         records, keys = run["stamps"], run["keys"]
         first_layer = int(keys[0])
         early = []

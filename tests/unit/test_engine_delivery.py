@@ -4,6 +4,7 @@ A pulled chunk is staged only when it is the partition the engine asked for,
 at the version asked for or later, with that partition's dtype and size; any
 other chunk fails with a message naming both, and nothing is staged.
 """
+import queue
 import threading
 
 import numpy as np
@@ -11,6 +12,9 @@ import pytest
 import tensorflow as tf
 
 from prophet_tf import _native
+from prophet_tf.engine import schedulers
+from prophet_tf.engine.delivery import Assembler
+from prophet_tf.engine.dispatch import Dispatch
 from prophet_tf.engine.engine import Engine
 from prophet_tf.ps import sharding
 from prophet_tf.ps.client import PulledChunk
@@ -22,18 +26,21 @@ NATIVE_KEY = 7  # the op library's key of PS key 0
 SHAPE = (4, 3)  # 4 rows of 12 bytes, in two partitions of 2 rows
 
 
+def make_dispatch(name="p3"):
+    # 24-byte slices cut the variable into two partitions, one per PS.
+    specs = [ps_pb2.VariableSpec(key=0, name="w", shape=SHAPE, dtype="float32", priority=0)]
+    options = {"slice_bytes": 24} if name == "p3" else {}
+    return Dispatch([NATIVE_KEY], specs, 2, schedulers.make_scheduler(name, **options))
+
+
 @pytest.fixture
 def engine():
     _native.reset()
     _native.declare_param(NATIVE_KEY, tf.float32, SHAPE)
-    e = Engine.__new__(Engine)  # Only the delivery state: no cluster, no threads.
-    e._specs = [ps_pb2.VariableSpec(key=0, name="w", shape=SHAPE, dtype="float32", priority=0)]
-    e._native_keys = [NATIVE_KEY]
-    parts = [sharding.Partition(0, 0, 0, 0, 2, 24), sharding.Partition(0, 1, 1, 2, 4, 24)]
-    e._partitions_of = {0: parts}
-    e._row_bytes = [12]
-    e._assembly, e._assembly_lock = {}, threading.Lock()
-    yield e, parts
+    dispatch = make_dispatch()
+    parts = dispatch.partitions_of[0]
+    assert parts == [sharding.Partition(0, 0, 0, 0, 2, 24), sharding.Partition(0, 1, 1, 2, 4, 24)]
+    yield Assembler(_native, dispatch), parts
     _native.reset()
 
 
@@ -48,12 +55,12 @@ def staged(version):
 
 def test_partitions_are_assembled_and_published_once_all_arrived(engine):
     e, parts = engine
-    e._deliver_partition(chunk(1, 3), parts[1], 3)  # any order, from either PS
+    e.deliver(chunk(1, 3), parts[1], 3)  # any order, from either PS
     assert _native.param_version(NATIVE_KEY) is None
-    e._deliver_partition(chunk(0, 4), parts[0], 3)  # a newer version is fine
+    e.deliver(chunk(0, 4), parts[0], 3)  # a newer version is fine
     np.testing.assert_array_equal(
         staged(3), np.concatenate([chunk(0, 4).array, chunk(1, 3).array]).reshape(SHAPE))
-    assert e._assembly == {}
+    assert e.open_versions == 0
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -68,31 +75,29 @@ def test_partitions_are_assembled_and_published_once_all_arrived(engine):
 def test_a_chunk_other_than_the_one_asked_for_stages_nothing(engine, bad, message):
     e, parts = engine
     with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        e._deliver_partition(bad, parts[0], 3)
-    e._deliver_partition(chunk(1, 3), parts[1], 3)
+        e.deliver(bad, parts[0], 3)
+    e.deliver(chunk(1, 3), parts[1], 3)
     assert _native.param_version(NATIVE_KEY) is None  # never published
 
 
-def test_a_second_gradient_for_the_same_variable_and_step_fails_and_keeps_the_first(engine):
-    import queue
-
-    from prophet_tf.engine import schedulers
-    e, parts = engine
-    variable = tf.Variable(tf.zeros(SHAPE))
+def test_a_second_gradient_for_the_same_variable_and_iteration_fails_and_keeps_the_first(engine):
+    _, parts = engine
+    e = Engine.__new__(Engine)  # Only the pump's state: no cluster, no threads.
+    e._native, e._dispatch = _native, make_dispatch()
     e._stop = threading.Event()
-    e._ps_key_of = {NATIVE_KEY: 0}
-    e._last_step, e._learning_rate, e._recorder = -1, None, None
+    e._learning_rate, e._recorder, e._learning_rates = None, None, {}
     e._lock = threading.Lock()
-    e._grads, e._arrived_of_step = {}, {}
-    e._scheduler = schedulers.make_scheduler("fifo")
     e._send_queues = [queue.Queue(), queue.Queue()]
     e._pull_queues = [queue.Queue(), queue.Queue()]
+    variable = tf.Variable(tf.zeros(SHAPE))
     first = tf.ones(SHAPE)
     _native.push_grad(variable.handle, first, key=NATIVE_KEY, step=0)
     _native.push_grad(variable.handle, 2 * first, key=NATIVE_KEY, step=0)
-    with pytest.raises(RuntimeError, match="a second gradient arrived for variable key 7 at step 0"):
+    with pytest.raises(RuntimeError,
+                       match="a second gradient arrived for variable key 7 at iteration 0"):
         e._pump()
-    grad, unsent = e._grads[0, 0]
-    assert unsent == 2 and grad.view().tolist() == [1.0] * 12  # the first, still readable
+    grad = e._dispatch.payload(schedulers.ReadyItem(0, 0, 0, 0, 0, 24, 0))
+    assert grad.dtype == "float32" and grad.view().tolist() == [1.0] * 12  # the first, readable
     assert _native.outstanding_grads() == 1  # the second was released
-    assert [len(q.get_nowait()) for q in e._send_queues] == [1, 1]  # the first step is sent
+    assert [len(q.get_nowait()) for q in e._send_queues] == [1, 1]  # the first is sent
+    assert [q.get_nowait() for q in e._pull_queues] == [1, 1]  # version 1 asked for

@@ -104,6 +104,17 @@ def test_clock_is_monotonic_ns():
     assert before <= now <= after
 
 
+def test_stamp_kinds_are_the_op_librarys():
+    from prophet_tf.engine.timeline import StampKind
+    assert _native.StampKind is StampKind  # one Python definition
+    lib = _native.load().lib
+    in_library = {kind: lib.prophet_stamp_kind_name(kind) for kind in range(-1, 64)}
+    named = {kind: name.decode() for kind, name in in_library.items() if name is not None}
+    # Both ways: every Python kind is the library's under the same name, and
+    # the library has no kind Python lacks.
+    assert named == {int(kind): kind.name for kind in StampKind}
+
+
 def test_stamp_records_and_drains_in_order():
     for i in range(5):
         _native.stamp(i, 10 * i, 20 + i)

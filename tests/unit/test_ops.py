@@ -170,7 +170,7 @@ class PushGradTest(OpsTestCase):
             self.assertIsNone(_native.push_grad(self.var.handle, grad, key=i, step=20 + i))
             got = _native.next_grad(timeout_s=5)
             self.assertIsNotNone(got)
-            self.assertEqual((got.key, got.step, got.dtype), (i, 20 + i, dtype))
+            self.assertEqual((got.key, got.iteration, got.dtype), (i, 20 + i, dtype))
             expected = grad.numpy()
             self.assertEqual(got.nbytes, expected.nbytes)
             self.assertEqual(got.view().tobytes(), expected.tobytes())
@@ -214,7 +214,7 @@ class PushGradTest(OpsTestCase):
         expected = [g.numpy() for g in grads_of(x)]
         got = {}
         while (grad := _native.next_grad(timeout_s=0)) is not None:
-            got[grad.key] = (grad.step, grad.view().copy())
+            got[grad.key] = (grad.iteration, grad.view().copy())
             _native.release_grad(grad.handle)
         self.assertEqual(sorted(got), [0, 1, 2])
         for key, (step, value) in got.items():

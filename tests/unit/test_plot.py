@@ -50,7 +50,7 @@ def make_trace(worker=0, steps=STEPS):
                     plan_version = plan.get("version", 0)
                     recorder.plan(ready, plan)
             stamps.append({"key": NATIVE_KEYS[p], "step": step, "t_ns": ready, "kind": 0})
-            sched.add(schedulers.ReadyItem(key=p, partition=0, ps_index=0, step=step, priority=p,
+            sched.add(schedulers.ReadyItem(key=p, partition=0, ps_index=0, iteration=step, priority=p,
                                            nbytes=NBYTES[p], ready_ns=ready))
             now = ready
             if p == 0:
@@ -126,13 +126,13 @@ def test_parse_timeline_counts_and_priorities(traces):
 def test_plans_are_attributed_to_their_iterations(traces):
     t = plot.parse_timeline(traces[0][0])
     first = plot.plan_for_iteration(t, 0)
-    assert first["scheduler"] == "prophet" and first["version"] == 0 and first["steps"] == []
+    assert first["scheduler"] == "prophet" and first["version"] == 0 and first["bursts"] == []
     # Prophet plans after 2 warm-up and 5 profiled iterations: the plan recorded
     # in iteration 7 is the first with steps, in force from then on.
     later = plot.plan_for_iteration(t, STEPS - 1)
-    assert later["version"] >= 1 and len(later["steps"]) == 2
-    assert later["steps"][0]["gap_ns"] > 0
-    assert sorted(later["steps"][0]["keys"]) == [1, 2, 3] and later["steps"][1]["keys"] == [0]
+    assert later["version"] >= 1 and len(later["bursts"]) == 2
+    assert later["bursts"][0]["gap_ns"] > 0
+    assert sorted(later["bursts"][0]["keys"]) == [1, 2, 3] and later["bursts"][1]["keys"] == [0]
     assert plot.plan_for_iteration(t, 6)["version"] == 0
 
 

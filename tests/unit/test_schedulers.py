@@ -122,7 +122,7 @@ class Sim:
         self.sched.on_sent(block, start, self.now)
         if self.queues[link]:
             self.start(link)
-        step = block[0].step
+        step = block[0].iteration
         self.unsent_of_iteration[step] -= len(block)
         if self.unsent_of_iteration[step] == 0:
             self.iteration_end.append(self.now)
@@ -143,15 +143,15 @@ def fixed(bps, factor=1.0, after=None):
 
 # -- synthetic models and traces ----------------------------------------------------------
 
-def stepwise_model(num_keys=12, per_step=3, nbytes=2_000_000, links=1):
-    """Keys 0..n-1 (priority = key), backprop from the last; bursts of ``per_step``."""
+def bursty_model(num_keys=12, per_burst=3, nbytes=2_000_000, links=1):
+    """Keys 0..n-1 (priority = key), backprop from the last; bursts of ``per_burst``."""
     grads = [Grad(k, k, [(k % links, nbytes)]) for k in range(num_keys)]
     backward = list(reversed(range(num_keys)))
-    bursts = [backward[i:i + per_step] for i in range(0, num_keys, per_step)]
+    bursts = [backward[i:i + per_burst] for i in range(0, num_keys, per_burst)]
     return grads, bursts
 
 
-def stepwise_traces(bursts, n, gap_ns=10 * MS, jitter_ns=50_000, seed=0, scale=lambda i: 1.0):
+def bursty_traces(bursts, n, gap_ns=10 * MS, jitter_ns=50_000, seed=0, scale=lambda i: 1.0):
     rng = random.Random(seed)
     traces = []
     for i in range(n):
@@ -206,7 +206,7 @@ def test_every_partition_sent_exactly_once(name, workload):
     grads, traces, bw, latency = workload
     sched = schedulers.make_scheduler(name)
     sim = Sim(sched, grads, bw, latency_ns=latency).run(traces)
-    assert sorted((i.step, i.key, i.partition) for i in sim.sent) == expected_items(grads, traces)
+    assert sorted((i.iteration, i.key, i.partition) for i in sim.sent) == expected_items(grads, traces)
     assert len(sim.iteration_end) == len(traces)  # never stalled
     assert sched.pending == 0 and all(v == 0 for v in sim.inflight.values())
 
@@ -231,9 +231,9 @@ def test_fifo_sends_each_gradient_per_link_in_readiness_order():
     grads = [Grad(0, 0, [(0, 10), (1, 20), (0, 30)]), Grad(1, 1, [(1, 5)]), Grad(2, 2, [(0, 7)])]
     traces = [{2: 0, 1: MS, 0: 2 * MS}] * 2
     sim = Sim(schedulers.make_scheduler("fifo"), grads, fixed(1e-4)).run(traces)
-    got = [(b[0].step, b[0].key, b[0].ps_index, [i.partition for i in b]) for _, b in sim.blocks]
-    per_step = [(2, 0, [0]), (1, 1, [0]), (0, 0, [0, 2]), (0, 1, [1])]
-    assert got == [(s, *g) for s in range(2) for g in per_step]
+    got = [(b[0].iteration, b[0].key, b[0].ps_index, [i.partition for i in b]) for _, b in sim.blocks]
+    per_iteration = [(2, 0, [0]), (1, 1, [0]), (0, 0, [0, 2]), (0, 1, [1])]
+    assert got == [(s, *g) for s in range(2) for g in per_iteration]
 
 
 def test_fifo_splits_a_gradient_larger_than_the_block_limit():
@@ -241,10 +241,12 @@ def test_fifo_splits_a_gradient_larger_than_the_block_limit():
     limit = schedulers.MAX_BLOCK_BYTES
     for p in range(5):
         sched.add(ReadyItem(0, p, 0, 0, 0, limit // 2, 0))
-    sizes = []
+    blocks = []
     while block := sched.next_block(0):
-        sizes.append(len(block))
-    assert sizes == [2, 2, 1]
+        blocks.append(block)
+    assert [len(b) for b in blocks] == [2, 2]  # the window: two blocks in flight
+    sched.on_sent(blocks[0], 0, 1)
+    assert [len(b) for b in [sched.next_block(1)]] == [1] and sched.pending == 0
 
 
 # -- budgets ------------------------------------------------------------------------------
@@ -287,19 +289,39 @@ def test_bytescheduler_respects_its_credit(credit):
         assert max(peak.values()) > 4_096_000  # the window is actually used
 
 
+def current_plan(sched):
+    """Prophet's plan in force as the timeline records it (None while first profiling)."""
+    plan = sched.plan()
+    return plan if plan["version"] else None
+
+
+def gap_budget(sched, link, now, inflight):
+    """Bytes a gap block on ``link`` may carry at ``now`` with ``inflight`` bytes in
+    flight, from the published plan; None when no burst of the current iteration
+    has arrived, or the last one has."""
+    plan = current_plan(sched)
+    if plan is None or plan["current"]["final"] or plan["current"]["burst"] < 0:
+        return None
+    bandwidth = plan["bandwidth_bytes_per_s"].get(str(link))
+    if bandwidth is None:
+        return None
+    return bandwidth / 1e9 * (plan["current"]["deadline_ns"] - now) - inflight
+
+
 def prophet_budget_checker(records):
     """Checks every Prophet block against the budget it was decided under."""
 
     def check(sim, block):
         sched, link = sim.sched, block[0].ps_index
         nbytes = sum(i.nbytes for i in block)
-        budget = sched.budget(link, sim.now)  # before booking: what next_block saw, minus block
-        plan = sched.current_plan
+        # The window holds this block already; at most two blocks per link.
+        assert sched.windows[link].blocks <= 2
+        budget = gap_budget(sched, link, sim.now, sim.inflight[link])  # what next_block saw
         if budget is not None:  # a gap block
-            budget += nbytes
-            j = sched.plan()["current"]["step"]
+            plan = current_plan(sched)
+            burst = plan["bursts"][plan["current"]["burst"]]
             assert len(block) == 1 or nbytes <= budget
-            assert len(block) == 1 or nbytes <= plan.bandwidth[link] * plan.steps[j].gap_ns
+            assert len(block) == 1 or nbytes <= burst["budget_bytes"][str(link)]
             records.append(("gap", len(block), nbytes, budget))
         else:  # by urgency: a partition's worth, two in flight
             assert len(block) == 1 or nbytes <= schedulers.DEFAULT_PARTITION_BYTES
@@ -318,16 +340,16 @@ def test_prophet_blocks_fit_their_budget(workload):
         on_block=prophet_budget_checker([])).run(traces)
 
 
-def test_prophet_plans_the_steps_and_fills_the_gaps():
-    grads, bursts = stepwise_model(num_keys=12, per_step=3, nbytes=200_000)
-    traces = stepwise_traces(bursts, 12, gap_ns=10 * MS)
+def test_prophet_plans_the_bursts_and_fills_the_gaps():
+    grads, bursts = bursty_model(num_keys=12, per_burst=3, nbytes=200_000)
+    traces = bursty_traces(bursts, 12, gap_ns=10 * MS)
     sched = schedulers.make_scheduler("prophet")
     records = []
     sim = Sim(sched, grads, fixed(0.05), on_block=prophet_budget_checker(records)).run(traces)
-    plan = sched.current_plan
-    assert [sorted(s.keys) for s in plan.steps] == [sorted(b) for b in bursts]
-    assert all(abs(s.gap_ns - 10 * MS) < 200_000 for s in plan.steps[:-1])
-    assert plan.bandwidth[0] == pytest.approx(0.05)
+    plan = current_plan(sched)
+    assert [s["keys"] for s in plan["bursts"]] == [sorted(b) for b in bursts]
+    assert all(abs(s["gap_ns"] - 10 * MS) < 200_000 for s in plan["bursts"][:-1])
+    assert plan["bandwidth_bytes_per_s"]["0"] == pytest.approx(0.05e9)
     # 0.05 bytes/ns x 10 ms = 500 kB: each gap carries two 200 kB gradients in one
     # block (and no block exceeds BLOCK_BYTES).
     gap_blocks = [r for r in records if r[0] == "gap"]
@@ -335,7 +357,7 @@ def test_prophet_plans_the_steps_and_fills_the_gaps():
     assert max(r[2] for r in records) <= schedulers.ProphetScheduler.BLOCK_BYTES
     assert len(sim.iteration_end) == 12
     json.dumps(sched.plan())
-    assert sched.plan()["steps"][0]["budget_bytes"]["0"] == pytest.approx(500_000, rel=0.03)
+    assert sched.plan()["bursts"][0]["budget_bytes"]["0"] == pytest.approx(500_000, rel=0.03)
 
 
 def test_prophet_sends_a_single_huge_gradient_alone():
@@ -343,32 +365,33 @@ def test_prophet_sends_a_single_huge_gradient_alone():
     sched = schedulers.make_scheduler("prophet")
     sim = Sim(sched, grads, fixed(1.0)).run([{0: 0}] * 10)
     assert [len(b) for _, b in sim.blocks] == [1] * 10
-    assert len(sched.current_plan.steps) == 1
+    assert len(current_plan(sched)["bursts"]) == 1
 
 
 # -- re-planning --------------------------------------------------------------------------
 
-LOGGER = "prophet_tf.engine.schedulers"
+LOGGER = "prophet_tf.engine.schedulers.prophet"
 
 
 def test_prophet_replans_when_bandwidth_halves(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    grads, bursts = stepwise_model(num_keys=16, per_step=4, nbytes=1_000_000, links=2)
-    traces = stepwise_traces(bursts, 30, gap_ns=8 * MS)
+    grads, bursts = bursty_model(num_keys=16, per_burst=4, nbytes=1_000_000, links=2)
+    traces = bursty_traces(bursts, 30, gap_ns=8 * MS)
     sched = schedulers.make_scheduler("prophet")
     budgets = {}
 
     def on_block(sim, block):
-        if len(sim.iteration_end) < 14 and sched.current_plan:
-            budgets["before"] = sched.plan()["steps"][0]["budget_bytes"]
+        if len(sim.iteration_end) < 14 and current_plan(sched):
+            budgets["before"] = sched.plan()["bursts"][0]["budget_bytes"]
 
     Sim(sched, grads, fixed(1.0, 0.5, after=14), on_block=on_block).run(traces)
-    plan = sched.current_plan
-    assert plan.reason.startswith("bandwidth drift")
+    plan = current_plan(sched)
+    assert plan["reason"].startswith("bandwidth drift")
     for link in (0, 1):
-        assert 0.4 < plan.bandwidth[link] < 0.8
-        after = sched.plan()["steps"][0]["budget_bytes"][str(link)]
-        assert after == pytest.approx(budgets["before"][str(link)] * plan.bandwidth[link], rel=0.05)
+        bandwidth = plan["bandwidth_bytes_per_s"][str(link)] / 1e9
+        assert 0.4 < bandwidth < 0.8
+        after = plan["bursts"][0]["budget_bytes"][str(link)]
+        assert after == pytest.approx(budgets["before"][str(link)] * bandwidth, rel=0.05)
     messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert messages[0].startswith("prophet plan 1 (initial profile)")
     assert any("bandwidth drift" in m for m in messages[1:])
@@ -376,32 +399,32 @@ def test_prophet_replans_when_bandwidth_halves(caplog):
 
 def test_prophet_reprofiles_when_compute_time_drifts(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    grads, bursts = stepwise_model(num_keys=12, per_step=3, nbytes=500_000)
-    traces = stepwise_traces(bursts, 30, gap_ns=10 * MS, scale=lambda i: 1.0 if i < 12 else 1.5)
+    grads, bursts = bursty_model(num_keys=12, per_burst=3, nbytes=500_000)
+    traces = bursty_traces(bursts, 30, gap_ns=10 * MS, scale=lambda i: 1.0 if i < 12 else 1.5)
     sched = schedulers.make_scheduler("prophet")
     Sim(sched, grads, fixed(1.0)).run(traces)
-    plan = sched.current_plan
-    assert plan.reason.startswith("compute drift")
-    assert all(abs(s.gap_ns - 15 * MS) < 300_000 for s in plan.steps[:-1])
+    plan = current_plan(sched)
+    assert plan["reason"].startswith("compute drift")
+    assert all(abs(s["gap_ns"] - 15 * MS) < 300_000 for s in plan["bursts"][:-1])
     messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert [m.split(" (")[0] for m in messages] == ["prophet plan 1", "prophet plan 2"]
 
 
 def test_prophet_stable_run_keeps_its_first_plan(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    grads, bursts = stepwise_model()
+    grads, bursts = bursty_model()
     sched = schedulers.make_scheduler("prophet")
-    Sim(sched, grads, fixed(0.5), latency_ns=50_000).run(stepwise_traces(bursts, 25))
-    assert sched.current_plan.version == 1
+    Sim(sched, grads, fixed(0.5), latency_ns=50_000).run(bursty_traces(bursts, 25))
+    assert current_plan(sched)["version"] == 1
     assert len([r for r in caplog.records if r.name == LOGGER]) == 1
 
 
 def test_prophet_flush_releases_held_gradients():
     sched = schedulers.make_scheduler("prophet")
-    grads, bursts = stepwise_model(num_keys=6, per_step=2, nbytes=1000)
-    Sim(sched, grads, fixed(1.0)).run(stepwise_traces(bursts, 8))
-    assert sched.current_plan is not None
-    # Iteration 8 starts but only its first step arrives: Prophet holds what
+    grads, bursts = bursty_model(num_keys=6, per_burst=2, nbytes=1000)
+    Sim(sched, grads, fixed(1.0)).run(bursty_traces(bursts, 8))
+    assert current_plan(sched) is not None
+    # Iteration 8 starts but only its first burst arrives: Prophet holds what
     # does not fit the gap (nothing does at a ~0 ms budget after the first).
     now = 10**12
     items = [ReadyItem(k, 0, 0, 8, k, 10**7, now) for k in (5, 4, 3)]

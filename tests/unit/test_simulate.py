@@ -1,10 +1,10 @@
-"""The simulator drives the engine's own schedulers; its limits are the obvious ones."""
+"""The simulator drives the engine's own dispatch and schedulers; its limits are the obvious ones."""
 import math
 
 import pytest
 
 from prophet_tf.bench import ideal, shaping, simulate
-from prophet_tf.engine import schedulers
+from prophet_tf.engine import dispatch, schedulers
 
 NAMES = list(schedulers.SCHEDULERS)
 
@@ -67,12 +67,37 @@ def test_the_engines_scheduler_objects_are_driven(name, monkeypatch):
     monkeypatch.setattr(schedulers, "make_scheduler", spy)
     r = simulate.simulate(TOY, name, workers=2, num_ps=1, bandwidth_mbit=100)
     assert len(made) == 1 and type(made[0]) is schedulers.SCHEDULERS[name]
-    assert r["scheduler_class"] == f"prophet_tf.engine.schedulers.{type(made[0]).__name__}"
+    assert r["scheduler_class"] == f"prophet_tf.engine.schedulers.{name}.{type(made[0]).__name__}"
     # Every step's gradients went out (the last step's may still be queued).
     total = sum(v["nbytes"] for v in TOY["variables"])
     assert r["pushed_bytes_per_step"] >= total * (len(r["step_times_s"]) - 1) / len(r["step_times_s"])
     if name == "prophet":
-        assert made[0].current_plan is not None  # it profiled and planned in virtual time
+        assert made[0].plan()["version"] >= 1  # it profiled and planned in virtual time
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", NAMES)
+def test_the_engines_dispatch_is_driven_and_its_window_holds(name, monkeypatch):
+    made, peak = [], {}
+    real = dispatch.Dispatch
+
+    class Spy(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def next_blocks(self, now_ns):
+            blocks = super().next_blocks(now_ns)
+            for link, window in self.windows.items():
+                peak[link] = max(peak.get(link, 0), window.blocks)
+            return blocks
+
+    assert simulate.Dispatch is real  # the engine's class, not a copy
+    monkeypatch.setattr(simulate, "Dispatch", Spy)
+    simulate.simulate(TOY, name, workers=2, num_ps=2, bandwidth_mbit=100)
+    assert len(made) == 1 and made[0].scheduler.name == name
+    # The one window: two blocks in flight per link, and used to the full.
+    assert peak and max(peak.values()) == 2, peak
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""What the Prophet scheduler learns from a run: steps, bandwidth and drift.
+"""What the Prophet scheduler learns from a run: bursts, bandwidth and drift.
 
 Pure functions and small classes, with every time passed in (nanoseconds of
 one clock, virtual or real); nothing here reads a clock or imports TensorFlow,
@@ -6,9 +6,9 @@ so a simulator can drive it exactly as the engine does.
 
 - :func:`split_bursts` cuts one readiness trace into bursts (Prophet's rule: a
   gap of more than twice the mean gap starts a new burst).
-- :func:`find_steps` turns the readiness times of several profiled iterations
-  into :class:`Step`\\ s: the keys that arrive together and the predicted time
-  from one step's arrival to the next (medians over the iterations).
+- :func:`find_bursts` turns the readiness times of several profiled iterations
+  into :class:`Burst`\\ s: the keys that arrive together and the predicted time
+  from one burst's arrival to the next (medians over the iterations).
 - :class:`BandwidthEstimator` is one link's achieved throughput over its
   recent transfers.
 - :func:`drifted` / :class:`DriftDetector` tell when a measurement has moved
@@ -21,7 +21,7 @@ import dataclasses
 import statistics
 from typing import Mapping, Sequence
 
-__all__ = ["Step", "split_bursts", "find_steps", "BandwidthEstimator", "drifted",
+__all__ = ["Burst", "split_bursts", "find_bursts", "BandwidthEstimator", "drifted",
            "DriftDetector", "DRIFT_THRESHOLD"]
 
 #: Relative change of bandwidth or compute time that invalidates a plan (ours).
@@ -29,21 +29,21 @@ DRIFT_THRESHOLD = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
-class Step:
+class Burst:
     """Gradients that become ready together, and the pause after them.
 
     Times are medians over the profiled iterations, in ns since the first
     gradient of the iteration became ready.
 
     Attributes:
-      keys: the gradients (variable keys) of the step.
+      keys: the gradients (variable keys) of the burst.
       start_ns: when its first gradient becomes ready.
-      arrive_ns: when its last gradient becomes ready: the step has arrived.
-      gap_ns: Δt, the predicted time from this step's arrival to the next
-        step's arrival (0 for the last step). A block started when this step
+      arrive_ns: when its last gradient becomes ready: the burst has arrived.
+      gap_ns: Δt, the predicted time from this burst's arrival to the next
+        burst's arrival (0 for the last burst). A block started when this burst
         arrives may keep its link busy this long without delaying the next
-        step's (more urgent) gradients.
-      nbytes: total size of the step's gradients.
+        burst's (more urgent) gradients.
+      nbytes: total size of the burst's gradients.
     """
 
     keys: frozenset
@@ -57,7 +57,7 @@ def split_bursts(times: Sequence[float]) -> list[list[int]]:
     """Groups readiness times into bursts.
 
     Sorted by time, with gaps g_i = t_i - t_(i-1) and their mean m, a gap
-    larger than 2·m starts a new burst (Prophet, step 2). Equal times never
+    larger than 2·m starts a new burst (Prophet's rule). Equal times never
     split, so a trace of identical times, or of one time, is one burst.
 
     Args:
@@ -79,15 +79,15 @@ def split_bursts(times: Sequence[float]) -> list[list[int]]:
     return bursts
 
 
-def find_steps(iterations: Sequence[Mapping[int, int]],
-               nbytes: Mapping[int, int]) -> list[Step]:
-    """Finds the steps of the profiled iterations.
+def find_bursts(iterations: Sequence[Mapping[int, int]],
+               nbytes: Mapping[int, int]) -> list[Burst]:
+    """Finds the bursts of the profiled iterations.
 
     Each key's readiness time relative to its iteration's first gradient is
     reduced to its median over the iterations; :func:`split_bursts` on those
-    medians gives the steps (so one noisy iteration cannot reorder them). The
-    gap after step k is then the median over the iterations of the time
-    between step k's and step k+1's arrivals (the readiness of their last key
+    medians gives the bursts (so one noisy iteration cannot reorder them). The
+    gap after burst k is then the median over the iterations of the time
+    between burst k's and burst k+1's arrivals (the readiness of their last key
     in that iteration).
 
     Args:
@@ -96,7 +96,7 @@ def find_steps(iterations: Sequence[Mapping[int, int]],
       nbytes: size of each key's gradient in bytes.
 
     Returns:
-      The steps in arrival order; the last one has ``gap_ns == 0``.
+      The bursts in arrival order; the last one has ``gap_ns == 0``.
 
     Raises:
       ValueError: no iteration has a key, or a key has no size.
@@ -107,7 +107,7 @@ def find_steps(iterations: Sequence[Mapping[int, int]],
             origin = min(times.values())
             relative.append({k: t - origin for k, t in times.items()})
     if not relative:
-        raise ValueError(f"find_steps needs at least one profiled iteration with a gradient. "
+        raise ValueError("find_bursts needs at least one profiled iteration with a gradient. "
                          f"Received: {len(iterations)} iterations, all empty")
     per_key: dict[int, list[int]] = {}
     for times in relative:
@@ -115,7 +115,7 @@ def find_steps(iterations: Sequence[Mapping[int, int]],
             per_key.setdefault(k, []).append(t)
     missing = [k for k in per_key if k not in nbytes]
     if missing:
-        raise ValueError(f"find_steps needs the size of every key. Received: no size for "
+        raise ValueError(f"find_bursts needs the size of every key. Received: no size for "
                          f"keys={sorted(missing)[:10]}")
     keys = sorted(per_key)
     median = [statistics.median(per_key[k]) for k in keys]
@@ -126,7 +126,7 @@ def find_steps(iterations: Sequence[Mapping[int, int]],
         present = [times[k] for k in group if k in times]
         return max(present) if present else None
 
-    steps = []
+    bursts = []
     for j, group in enumerate(groups):
         gap = 0
         if j + 1 < len(groups):
@@ -137,10 +137,10 @@ def find_steps(iterations: Sequence[Mapping[int, int]],
                     deltas.append(b - a)
             gap = max(0, int(statistics.median(deltas)) if deltas else int(
                 max(median_of[k] for k in groups[j + 1]) - max(median_of[k] for k in group)))
-        steps.append(Step(keys=frozenset(group), start_ns=int(min(median_of[k] for k in group)),
+        bursts.append(Burst(keys=frozenset(group), start_ns=int(min(median_of[k] for k in group)),
                           arrive_ns=int(max(median_of[k] for k in group)), gap_ns=gap,
                           nbytes=sum(nbytes[k] for k in group)))
-    return steps
+    return bursts
 
 
 class BandwidthEstimator:

@@ -1,0 +1,191 @@
+"""`prophet-tf simulate`: the command line around prophet_tf.bench.simulate.
+
+One configuration, a sweep over worker counts and bandwidths (with its plot),
+a prediction of a `prophet-tf bench` run (``--validate``), or a new per-layer
+profile (``--profile``). The simulation itself is prophet_tf.bench.simulate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+from prophet_tf.bench import simulate as simulate_lib
+from prophet_tf.engine import schedulers as schedulers_lib
+
+__all__ = ["sweep", "plot_sweep", "validate", "main"]
+
+
+def sweep(profile: dict, schedulers: Sequence[str], workers: Sequence[int],
+          bandwidths_mbit: Sequence[float], num_ps: int | None = None, **kwargs) -> list[dict]:
+    """:func:`simulate` over a grid; ``num_ps`` None = one PS per 4 workers (at least 1)."""
+    rows = []
+    for w in workers:
+        ps = num_ps or max(1, w // 4)
+        for bw in bandwidths_mbit:
+            for name in schedulers:
+                r = simulate_lib.simulate(profile, name, w, ps, bw, **kwargs)
+                rows.append({"workers": w, "ps": ps, "bandwidth_mbit": bw, "scheduler": name,
+                             "step_time_s": r["step_time_s"],
+                             "ideal_step_time_s": r["ideal_step_time_s"]})
+    return rows
+
+
+def plot_sweep(rows: list[dict], path: str, title: str) -> str:
+    """PNG of speedup over FIFO against bandwidth, one panel per worker count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workers = sorted({r["workers"] for r in rows})
+    names = [n for n in dict.fromkeys(r["scheduler"] for r in rows) if n != "fifo"]
+    fig, axes = plt.subplots(1, len(workers), figsize=(3.2 * len(workers), 3.2), sharey=True,
+                             squeeze=False)
+    fifo = {(r["workers"], r["bandwidth_mbit"]): r["step_time_s"] for r in rows
+            if r["scheduler"] == "fifo"}
+    for ax, w in zip(axes[0], workers):
+        for name in names:
+            pts = sorted((r["bandwidth_mbit"] / 1000, fifo[w, r["bandwidth_mbit"]] / r["step_time_s"])
+                         for r in rows if r["workers"] == w and r["scheduler"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ps = next(r["ps"] for r in rows if r["workers"] == w)
+        ax.set_title(f"{w} workers, {ps} PS")
+        ax.set_xscale("log")
+        ax.set_xlabel("bandwidth per link (Gbit/s)")
+    axes[0][0].set_ylabel("speedup over FIFO")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(
+        prog="prophet-tf simulate", description=simulate_lib.__doc__.split("\n\n")[0],
+        epilog="Profiles live in prophet_tf/bench/profiles/<model>.json "
+               "(make one with --profile MODEL).")
+    parser.add_argument("--model", default="resnet50",
+                        help="profiled model name or a profile .json (default resnet50)")
+    parser.add_argument("--workers", type=int, default=16, help="W (default 16)")
+    parser.add_argument("--ps", type=int, default=4, help="PS tasks (default 4)")
+    parser.add_argument("--bandwidth-mbit", type=float, default=10000.0,
+                        help="each link's bandwidth per direction (default 10000)")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency")
+    parser.add_argument("--schedulers", default="fifo,p3,bytescheduler,prophet")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help=f"steps to simulate (default {simulate_lib.WARMUP_ITERATIONS} warm-up + 8)")
+    parser.add_argument("--compute-s", type=float, default=None,
+                        help="scale the profile to this compute time per step")
+    parser.add_argument("--rpc-overhead-ms", type=float, default=simulate_lib.DEFAULT_RPC_OVERHEAD_S * 1e3,
+                        help="fixed cost per message (default %(default)s)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--sweep", action="store_true",
+                        help="2-64 workers x 1-25 Gbit/s (one PS per 4 workers)")
+    parser.add_argument("--plot", default=None, help="PNG of speedup over FIFO (with --sweep)")
+    parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
+                        help="predict a `prophet-tf bench` run and compare per scheduler")
+    parser.add_argument("--profile", default=None, metavar="MODEL",
+                        help="measure MODEL's per-variable compute profile and save it")
+    parser.add_argument("--batch", type=int, default=32, help="per-worker batch of --profile")
+    parser.add_argument("--profile-iterations", type=int, default=7,
+                        help="measured iterations of --profile (after 2 warm-up)")
+    return parser.parse_args(argv)
+
+
+def _print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    print("  ".join(f"{title:>{len(title) + 2}}" for title, _, _ in columns))
+    for r in rows:
+        print("  ".join(f"{format(r[key], fmt) if r.get(key) is not None else '-':>{len(title) + 2}}"
+                        for title, key, fmt in columns))
+
+
+def validate(bench: dict, profile: dict, rpc_overhead_s: float = simulate_lib.DEFAULT_RPC_OVERHEAD_S) -> list:
+    """Predicted vs measured step time per scheduler of a bench JSON."""
+    config = bench["config"]
+    profile = config.get("profile", profile)  # measured in the bench itself
+    rows = []
+    for r in bench["results"]:
+        if r["scheduler"] not in schedulers_lib.SCHEDULERS:
+            continue
+        pred = simulate_lib.simulate(profile, r["scheduler"], config["workers"], config["ps"],
+                        config["bandwidth_mbit"], latency_ms=config.get("latency_ms", 0.0),
+                        rpc_overhead_s=rpc_overhead_s)
+        rows.append({"scheduler": r["scheduler"], "measured_s": r["step_time_s"],
+                     "predicted_s": pred["step_time_s"],
+                     "error": pred["step_time_s"] / r["step_time_s"] - 1})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from prophet_tf.bench import models
+    if args.profile:
+        profile = models.profile_model(args.profile, args.batch, args.profile_iterations)
+        command = (f"prophet-tf simulate --profile {args.profile} --batch {args.batch} "
+                   f"--profile-iterations {args.profile_iterations}")
+        path = models.save_profile(profile, command)
+        print(f"{args.profile}: {profile['num_params']:,} parameters, "
+              f"{profile['trainable_bytes'] / 1e6:.1f} MB, batch {args.batch}: forward "
+              f"{profile['forward_s'] * 1e3:.1f} ms, backward {profile['backward_s'] * 1e3:.1f} "
+              f"ms; saved to {path}")
+        return 0
+    try:
+        profile = models.load_profile(args.model)
+        names = [n.strip() for n in args.schedulers.split(",") if n.strip()]
+        for n in names:
+            schedulers_lib.validate_scheduler(n)
+        overhead = args.rpc_overhead_ms / 1e3
+        if args.validate:
+            with open(args.validate) as f:
+                bench = json.load(f)
+            rows = validate(bench, profile, overhead)
+            _print_table(rows, [("scheduler", "scheduler", ""), ("measured s", "measured_s", ".4f"),
+                                ("predicted s", "predicted_s", ".4f"), ("error", "error", "+.1%")])
+            out = {"validation": rows, "bench_config": bench["config"]}
+        elif args.sweep:
+            rows = sweep(profile, names, [2, 4, 8, 16, 32, 64],
+                         [1000, 2500, 5000, 10000, 25000], iterations=args.iterations,
+                         rpc_overhead_s=overhead, compute_s=args.compute_s)
+            by = {(r["workers"], r["bandwidth_mbit"], r["scheduler"]): r for r in rows}
+            for r in rows:
+                f = by[r["workers"], r["bandwidth_mbit"], "fifo"]["step_time_s"]
+                r["speedup_vs_fifo"] = f / r["step_time_s"]
+            _print_table(rows, [("workers", "workers", "d"), ("ps", "ps", "d"),
+                                ("Mbit/s", "bandwidth_mbit", ".0f"), ("scheduler", "scheduler", ""),
+                                ("step s", "step_time_s", ".4f"), ("ideal s", "ideal_step_time_s", ".4f"),
+                                ("vs fifo", "speedup_vs_fifo", ".2f")])
+            out = {"model": args.model, "sweep": rows}
+            if args.plot:
+                plot_sweep(rows, args.plot, f"{args.model}: simulated speedup over FIFO")
+                print(f"plot written to {args.plot}")
+        else:
+            rows = [simulate_lib.simulate(profile, n, args.workers, args.ps, args.bandwidth_mbit,
+                             latency_ms=args.latency_ms, iterations=args.iterations,
+                             compute_s=args.compute_s, rpc_overhead_s=overhead) for n in names]
+            fifo = next((r["step_time_s"] for r in rows if r["scheduler"] == "fifo"), None)
+            for r in rows:
+                r["speedup_vs_fifo"] = fifo / r["step_time_s"] if fifo else None
+            _print_table(rows, [("scheduler", "scheduler", ""), ("step s", "step_time_s", ".4f"),
+                                ("ideal s", "ideal_step_time_s", ".4f"),
+                                ("vs fifo", "speedup_vs_fifo", ".2f")])
+            out = {"config": {"model": args.model, "workers": args.workers, "ps": args.ps,
+                              "bandwidth_mbit": args.bandwidth_mbit,
+                              "latency_ms": args.latency_ms, "rpc_overhead_s": overhead},
+                   "results": rows}
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"prophet-tf simulate: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

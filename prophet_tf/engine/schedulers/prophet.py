@@ -1,0 +1,339 @@
+"""Prophet: blocks sized to the predicted idle gaps between bursts of gradients."""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+from typing import Sequence
+
+from prophet_tf.engine.schedulers import profiler
+from prophet_tf.engine.schedulers.base import PriorityScheduler, ReadyItem
+
+__all__ = ["ProphetScheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Plan:
+    version: int
+    reason: str
+    bursts: list[profiler.Burst]
+    bandwidth: dict[int, float]  # link -> bytes per ns
+    burst_of_key: dict[int, int]
+    parts_per_burst: list[int]
+    final_key: int
+    final_key_parts: int
+    span_ns: int  # predicted time from the first burst's arrival to the last's
+
+
+class ProphetScheduler(PriorityScheduler):
+    """Prophet (Zhang et al., ICPP 2021): blocks sized to the predicted idle gaps.
+
+    Profile: iterations are told apart by ``ReadyItem.iteration`` (the training
+    iteration); an iteration ends when the first gradient of a later one arrives.
+    The first :attr:`WARMUP_ITERATIONS` = 2 are skipped (the first runs
+    tf.function tracing, the second still warms allocators and caches); the
+    next :attr:`PROFILE_ITERATIONS` = 5 are profiled (an odd count, so the
+    medians are observed values and one outlier cannot move them).
+    :func:`profiler.find_bursts` turns them into bursts with their gaps Δt_j,
+    and the plan takes each link's bandwidth B from its
+    :class:`profiler.BandwidthEstimator`. Nothing depends on the model.
+
+    Until the first plan exists, the scheduler sends by priority (as below in
+    the last burst): ByteScheduler-like, without its knobs.
+
+    With a plan, in each iteration:
+
+    - Burst j has *arrived* when all partitions of all its keys are ready (a
+      later burst arriving first counts too). Its deadline is its arrival's
+      readiness time plus Δt_j: when burst j+1 is predicted to arrive.
+    - While burst j is the latest arrived, a link may start a block of its
+      ready-and-unsent items in urgency order: the longest prefix whose bytes
+      fit B·(deadline - now) minus what the link has in flight (at most
+      :attr:`BLOCK_BYTES`). At burst j's arrival that is B·Δt_j, and at
+      least one item goes, so the scheduler never stalls; later in the gap
+      (after a block finished early, or as more items become ready) further
+      blocks go only if they fit the time left, except that an idle link
+      takes the next item alone when at least half of it fits (ours: its end
+      is then nearer the next burst's arrival than the link's idling would be;
+      without it, the ResNet-50 of benchmarks/bench_scheduler.py at 3 Gbit/s
+      left its link idle 38 ms per iteration, 323 ms instead of 295 ms).
+    - Last burst (the last burst arrived, or the most urgent gradient of the
+      plan - priority 0 - is fully ready), gradients of older iterations, and
+      after :meth:`flush`: strictly by urgency, blocks of at most
+      :attr:`BLOCK_BYTES` that fit the window (the link never waits for the
+      scheduler, and the PS can apply the first layers while the rest follow).
+
+    Window: :attr:`BLOCKS_IN_FLIGHT` = 2 blocks and as many BLOCK_BYTES per
+    link; a gap block must also fit its gap budget, which counts the bytes
+    already in flight.
+
+    Priority rule: every block is a prefix of its link's ready-and-unsent
+    items in :func:`urgency` order. So, once a burst has arrived, no transfer
+    of a less urgent gradient starts while a more urgent one is ready and
+    unsent on that link; the only exception is a more urgent gradient that
+    becomes ready while the block planned for the current idle gap is in
+    flight: it waits for that block, which was sized to end when it arrives.
+
+    Drift (ours; no knobs): each iteration's burst arrivals are compared with
+    the plan. If the median over the last 3 iterations of the time from the
+    first burst's arrival to the last's differs by more than 20% (and 1 ms)
+    from the plan's, the next 5 iterations are profiled again (the old plan
+    stays in use meanwhile) and a new plan is made. If a link's bandwidth
+    estimate differs by more than 20% from the plan's at the end of an
+    iteration, the plan is remade at once with the new bandwidths. Every new
+    plan is logged at INFO.
+    """
+
+    name = "prophet"
+    #: Partition size and largest block (ours). A block is one RPC, and the PS
+    #: can apply and send back none of it before all of it has arrived, so
+    #: bounded blocks let the pull of the first parts overlap the push of the
+    #: rest. 512 KiB was the best bound across the simulated models
+    #: (`prophet-tf simulate`: the bench CNN, ResNet-50, VGG16, InceptionV3);
+    #: 4 MiB blocks left the bench CNN at FIFO's speed.
+    BLOCK_BYTES = 512 * 1024
+    WARMUP_ITERATIONS = 2
+    PROFILE_ITERATIONS = 5
+    DRIFT_WINDOW = 3
+    DRIFT_FLOOR_NS = 1_000_000
+    BLOCKS_IN_FLIGHT = 2
+    #: The window: two blocks in flight per link (one on the wire, one queued
+    #: behind it), of at most BLOCK_BYTES each unless one item is larger.
+    window_blocks = BLOCKS_IN_FLIGHT
+    window_bytes = BLOCKS_IN_FLIGHT * BLOCK_BYTES
+
+    def __init__(self):
+        super().__init__()
+        self._bw: dict[int, profiler.BandwidthEstimator] = {}
+        self._priority_of: dict[int, int] = {}
+        self._iter: int | None = None
+        self._iters_closed = 0
+        self._times: dict[int, int] = {}
+        self._parts: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
+        self._key_parts: dict[int, int] = {}  # latest complete iteration's, per key
+        self._key_bytes: dict[int, int] = {}
+        self._profile: list[dict[int, int]] | None = []
+        self._profile_from = self.WARMUP_ITERATIONS
+        self._profile_reason = "initial profile"
+        self._plan: _Plan | None = None
+        self._compute_drift: profiler.DriftDetector | None = None
+        self._flushing = False
+        self._reset_iteration()
+
+    # -- readiness and profiling ------------------------------------------------------
+
+    def add(self, item: ReadyItem) -> None:
+        if self._iter is None or item.iteration > self._iter:
+            self._new_iteration(item.iteration)
+        super().add(item)
+        if item.iteration != self._iter:
+            return  # a straggler of an older iteration: sent by urgency
+        key = item.key
+        if key in self._parts:
+            self._parts[key] += 1
+            self._bytes[key] += item.nbytes
+        else:
+            self._times[key] = item.ready_ns
+            self._parts[key] = 1
+            self._bytes[key] = item.nbytes
+            self._priority_of.setdefault(key, item.priority)
+        plan = self._plan
+        if plan is None:
+            return
+        j = plan.burst_of_key.get(key)
+        if j is not None:
+            self._remaining[j] -= 1
+            if self._remaining[j] == 0:
+                self._arrive(j, item.ready_ns)
+        if key == plan.final_key:
+            self._final_left -= 1
+            if self._final_left == 0:
+                self._final = True
+
+    def _arrive(self, j: int, ready_ns: int) -> None:
+        self._arrivals[j] = ready_ns
+        if j > self._arrived:
+            self._arrived = j
+            self._deadline = ready_ns + self._plan.bursts[j].gap_ns
+            self._arrival_sent.clear()
+            if j == len(self._plan.bursts) - 1:
+                self._final = True
+
+    def _reset_iteration(self) -> None:
+        plan = self._plan
+        self._arrived = -1
+        self._deadline = 0
+        self._arrival_sent: set[int] = set()
+        self._final = False
+        self._remaining = list(plan.parts_per_burst) if plan else []
+        self._arrivals: list[int | None] = [None] * len(self._remaining)
+        self._final_left = plan.final_key_parts if plan else 0
+
+    def _new_iteration(self, iteration: int) -> None:
+        if self._iter is not None:
+            self._close_iteration()
+        self._iter = iteration
+        self._times, self._parts, self._bytes = {}, {}, {}
+        self._reset_iteration()
+
+    def _close_iteration(self) -> None:
+        index = self._iters_closed
+        self._iters_closed += 1
+        self._key_parts.update(self._parts)
+        self._key_bytes.update(self._bytes)
+        if self._profile is not None:
+            if index >= self._profile_from and self._times:
+                self._profile.append(self._times)
+                if len(self._profile) == self.PROFILE_ITERATIONS:
+                    bursts = profiler.find_bursts(self._profile, self._key_bytes)
+                    self._profile = None
+                    self._make_plan(self._profile_reason, bursts)
+                    return
+        elif self._plan is not None and all(a is not None for a in self._arrivals):
+            span = self._arrivals[-1] - self._arrivals[0]
+            if self._compute_drift.observe(span):
+                self._profile, self._profile_from = [], self._iters_closed
+                self._profile_reason = (f"compute drift: bursts took {span / 1e6:.3g} ms, "
+                                        f"plan {self._plan.span_ns / 1e6:.3g} ms")
+        plan = self._plan
+        if plan is not None:
+            for link, estimator in self._bw.items():
+                now = estimator.bytes_per_ns
+                ref = plan.bandwidth.get(link)
+                if now is not None and (ref is None or profiler.drifted(now, ref)):
+                    was = "unknown" if ref is None else f"{ref * 1e3:.4g}"
+                    self._make_plan(f"bandwidth drift: link {link} {was} -> "
+                                    f"{now * 1e3:.4g} MB/s", plan.bursts)
+                    return
+
+    def _make_plan(self, reason: str, bursts: list[profiler.Burst]) -> None:
+        parts = self._key_parts
+        burst_of_key = {k: j for j, b in enumerate(bursts) for k in b.keys}
+        final_key = min(burst_of_key, key=lambda k: (self._priority_of.get(k, 0), k))
+        bandwidth = {link: b for link, e in self._bw.items() if (b := e.bytes_per_ns)}
+        self._plan = _Plan(
+            version=(self._plan.version + 1) if self._plan else 1, reason=reason, bursts=bursts,
+            bandwidth=bandwidth, burst_of_key=burst_of_key,
+            parts_per_burst=[sum(parts.get(k, 1) for k in b.keys) for b in bursts],
+            final_key=final_key, final_key_parts=parts.get(final_key, 1),
+            span_ns=sum(b.gap_ns for b in bursts))
+        self._compute_drift = profiler.DriftDetector(
+            self._plan.span_ns, window=self.DRIFT_WINDOW, floor=self.DRIFT_FLOOR_NS)
+        logger.info("prophet plan %d (%s): %d bursts, gaps [%s] ms, bandwidth {%s} MB/s, "
+                    "gap budgets {%s} bytes", self._plan.version, reason, len(bursts),
+                    ", ".join(f"{b.gap_ns / 1e6:.3g}" for b in bursts),
+                    ", ".join(f"{link}: {b * 1e3:.4g}" for link, b in sorted(bandwidth.items())),
+                    ", ".join(f"{link}: {[int(bw * b.gap_ns) for b in bursts[:-1]]}"
+                              for link, bw in sorted(bandwidth.items())))
+
+    # -- sending ----------------------------------------------------------------------
+
+    def _select(self, now_ns: int) -> list[ReadyItem]:
+        plan = self._plan
+        for link, heap in self._ready.items():
+            if not heap or not self.windows[link].open:
+                continue
+            by_urgency = (plan is None or self._final or self._flushing
+                          or heap[0][-1].iteration < self._iter)
+            if by_urgency:
+                block = self._urgent_block(link, heap)
+            elif self._arrived >= 0:
+                block = self._gap_block(link, heap, now_ns)
+            else:
+                continue
+            if block:
+                return block
+        if self._flushing and not self._pending:
+            self._flushing = False
+        return []
+
+    @property
+    def partition_bytes(self) -> int:
+        return self.BLOCK_BYTES
+
+    def _urgent_block(self, link: int, heap: list) -> list[ReadyItem] | None:
+        window = self.windows[link]
+        first = heap[0][-1]
+        if not window.fits(first.nbytes):
+            return None
+        limit = min(self.BLOCK_BYTES, window.room_bytes) if window.blocks else self.BLOCK_BYTES
+        # With a plan in force, only older iterations' leftovers go this way.
+        older_only = self._plan is not None and not self._final and not self._flushing
+        heapq.heappop(heap)
+        block, total = [first], first.nbytes
+        while heap:
+            item = heap[0][-1]
+            if total + item.nbytes > limit or (older_only and item.iteration >= self._iter):
+                break
+            heapq.heappop(heap)
+            block.append(item)
+            total += item.nbytes
+        return self._start(block)
+
+    def _gap_block(self, link: int, heap: list, now_ns: int) -> list[ReadyItem] | None:
+        # The gap budget is the plan's, on top of the window: bytes that end by
+        # the deadline, counting what the link already has in flight.
+        window = self.windows[link]
+        inflight = window.nbytes
+        bandwidth = self._plan.bandwidth.get(link)
+        budget = 0.0 if bandwidth is None else min(
+            bandwidth * (self._deadline - now_ns) - inflight, self.BLOCK_BYTES,
+            window.room_bytes if window.blocks else self.BLOCK_BYTES)
+        block, total = [], 0
+        while heap and total + heap[0][-1].nbytes <= budget:
+            item = heapq.heappop(heap)[-1]
+            block.append(item)
+            total += item.nbytes
+        if not block:
+            # Alone, one item may overrun the budget: at the burst's arrival (so
+            # nothing stalls), and on an idle link when at least half of it fits
+            # (its end is then nearer the deadline than leaving the link idle).
+            arrival = link not in self._arrival_sent
+            if not arrival and (inflight or heap[0][-1].nbytes > 2 * budget):
+                return None
+            if not window.fits(heap[0][-1].nbytes):
+                return None
+            block = [heapq.heappop(heap)[-1]]
+        self._arrival_sent.add(link)
+        return self._start(block)
+
+    def on_sent(self, block: Sequence[ReadyItem], start_ns: int, end_ns: int) -> None:
+        if not block:
+            return
+        super().on_sent(block, start_ns, end_ns)
+        link = block[0].ps_index
+        estimator = self._bw.get(link)
+        if estimator is None:
+            estimator = self._bw[link] = profiler.BandwidthEstimator()
+        estimator.add(sum(item.nbytes for item in block), start_ns, end_ns)
+
+    def flush(self) -> None:
+        self._flushing = self._pending > 0
+
+    # -- introspection ----------------------------------------------------------------
+
+    def plan(self) -> dict:
+        """The plan for the timeline. Its keys are the timeline's format, read
+        by ``prophet-tf plot``: "bursts" lists the bursts and "current.burst" is
+        the latest arrived burst (-1: none yet)."""
+        plan = self._plan
+        state = {"scheduler": self.name, "iteration": self._iter,
+                 "profiling": self._profile is not None,
+                 "warmup_iterations": self.WARMUP_ITERATIONS,
+                 "profile_iterations": self.PROFILE_ITERATIONS}
+        if plan is None:
+            return {**state, "version": 0, "bursts": []}
+        return {
+            **state, "version": plan.version, "reason": plan.reason,
+            "bandwidth_bytes_per_s": {str(link): b * 1e9 for link, b in plan.bandwidth.items()},
+            "bursts": [{"keys": sorted(b.keys), "start_ns": b.start_ns, "arrive_ns": b.arrive_ns,
+                        "gap_ns": b.gap_ns, "nbytes": b.nbytes,
+                        "budget_bytes": {str(link): int(bw * b.gap_ns)
+                                         for link, bw in plan.bandwidth.items()}}
+                       for b in plan.bursts],
+            "current": {"burst": self._arrived, "final": self._final,
+                        "deadline_ns": self._deadline if self._arrived >= 0 else None},
+        }

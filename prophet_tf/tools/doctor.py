@@ -165,22 +165,23 @@ def check_tls(ps_addresses: list[str]) -> Check:
     import ssl
 
     from prophet_tf.ps import security
-    parts, ok = [], True
-    try:
-        client = security.load_client_tls()
-    except security.SecurityError as e:
-        client, ok = None, False
-        parts.append(str(e))
+    parts = []
+
+    def load(loader):
+        try:
+            return loader(), True
+        except security.SecurityError as e:
+            parts.append(str(e))
+            return None, False
+
+    client, client_ok = load(security.load_client_tls)
     if client is not None:
         count = ssl.create_default_context(cadata=client.ca.decode("ascii")).cert_store_stats()
         parts.append(f"clients verify the PS with {security.TLS_CA_ENV}={client.ca_path} "
                      f"({count['x509']} certificate(s))" +
                      (f", server name {client.server_name}" if client.server_name else ""))
-    try:
-        server = security.load_server_tls()
-    except security.SecurityError as e:
-        server, ok = None, False
-        parts.append(str(e))
+    server, server_ok = load(security.load_server_tls)
+    ok = client_ok and server_ok
     if server is not None:
         parts.append(f"a PS here serves {server.cert_path} (key {server.key_path}; they load "
                      "and match)")

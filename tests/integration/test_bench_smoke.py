@@ -1,15 +1,11 @@
 """`prophet-tf bench` end to end: a short run of two schedulers on a shaped network."""
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
+from cluster import child_env, run_prophet
 from prophet_tf.bench import netns
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 BANDWIDTH_MBIT = 100.0
 
 
@@ -17,12 +13,11 @@ BANDWIDTH_MBIT = 100.0
 def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_path):
     before = set(netns.list_ours()) if netns.available()[0] else set()
     out = tmp_path / "bench.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [sys.executable, "-m", "prophet_tf", "bench", "--model", "cnn", "--workers", "2",
-         "--ps", "1", "--bandwidth-mbit", str(BANDWIDTH_MBIT), "--steps", "9", "--reps", "1",
-         "--compute-reps", "0", "--schedulers", "fifo,prophet", "--json", str(out)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+    proc = run_prophet(
+        "bench", "--model", "cnn", "--workers", "2", "--ps", "1",
+        "--bandwidth-mbit", str(BANDWIDTH_MBIT), "--steps", "9", "--reps", "1",
+        "--compute-reps", "0", "--schedulers", "fifo,prophet", "--json", str(out),
+        env=child_env(), cwd=tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     config = result["config"]

@@ -1,13 +1,9 @@
 """`prophet-tf doctor` against real PS tasks, a closed port and broken configurations."""
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, run_ps
+from cluster import child_env, free_port, run_prophet, run_ps
 from prophet_tf.tools import doctor as doctor_lib
 from prophet_tf.ps import security
 from tls_certs import make_cert
@@ -17,14 +13,10 @@ SECURITY_ENV = (security.TOKEN_ENV, security.TOKEN_FILE_ENV, security.TLS_CA_ENV
 
 
 def doctor(tf_config=None, *args, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    for name in ("TF_CONFIG", *SECURITY_ENV):
-        env.pop(name, None)
-    env.update(env_extra or {})
+    env = child_env(drop=("TF_CONFIG", *SECURITY_ENV), **(env_extra or {}))
     if tf_config is not None:
         env["TF_CONFIG"] = tf_config if isinstance(tf_config, str) else json.dumps(tf_config)
-    proc = subprocess.run([sys.executable, "-m", "prophet_tf", "doctor", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_prophet("doctor", *args, env=env, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line[:4] in ("OK  ", "WARN", "FAIL")]
     return proc.returncode, lines, proc.stdout + proc.stderr
 
@@ -33,12 +25,6 @@ def line(lines, name):
     found = [entry for entry in lines if entry[5:].startswith(name)]
     assert len(found) == 1, lines
     return found[0]
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # Closed again when this returns: nothing listens.
 
 
 @pytest.mark.timeout(150)
@@ -57,7 +43,7 @@ def test_all_ok_without_tf_config():
 
 @pytest.mark.timeout(200)
 def test_reports_each_ps_task_healthy_or_unreachable(tmp_path):
-    dead = f"127.0.0.1:{closed_port()}"
+    dead = f"127.0.0.1:{free_port()}"  # Nothing listens there.
     with run_ps(tmp_path, "--num-workers", "1", "--num-ps", "2") as ps:
         config = {"cluster": {"worker": ["127.0.0.1:1"], "ps": [ps.address, dead]},
                   "task": {"type": "worker", "index": 0}}

@@ -3,7 +3,6 @@ localhost, with few epochs and one TF thread per process."""
 import importlib.util
 import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -11,24 +10,19 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from cluster import LAUNCH_DROP, ONE_TF_THREAD, ROOT, child_env, run_prophet
+
 EXAMPLES = ROOT / "examples"
 
 
 def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2",
-               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", **extra)
-    for name in ("TF_CONFIG", "PROPHET_TF_SCHEDULER", "PROPHET_TF_TIMELINE",
-                 "PROPHET_TF_LOG_LEVEL", "PROPHET_TF_TOKEN", "PROPHET_TF_TOKEN_FILE"):
-        if name not in extra:
-            env.pop(name, None)
-    return env
+    # Besides the launcher's, the examples' own settings: none from the caller's shell.
+    return child_env(drop=(*LAUNCH_DROP, "PROPHET_TF_TIMELINE", "PROPHET_TF_TOKEN",
+                           "PROPHET_TF_TOKEN_FILE"), **ONE_TF_THREAD, **extra)
 
 
 def _launch(args, timeout, **env):
-    return subprocess.run([sys.executable, "-m", "prophet_tf", "launch", *args], env=_env(**env),
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return run_prophet("launch", *args, env=_env(**env), timeout=timeout)
 
 
 def _lines(output, pattern):
@@ -70,9 +64,8 @@ def test_quickstart_prophet_timeline_and_plot(tmp_path, attempt):
             names[1].endswith("/bias:0") and names[0].rsplit("/", 1)[0] == \
             names[1].rsplit("/", 1)[0], names
     out = tmp_path / "schedule.png"
-    draw = subprocess.run([sys.executable, "-m", "prophet_tf", "plot", str(timeline), "-o",
-                           str(out), "--steps", "15:18"], env=_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    draw = run_prophet("plot", str(timeline), "-o", str(out), "--steps", "15:18", env=_env(),
+                       timeout=120)
     assert draw.returncode == 0, draw.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000

@@ -7,7 +7,6 @@ the test can check after the launcher returned that none of them is left.
 """
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from cluster import ROOT, launch_env, reap, run_prophet
 
 WORKER = textwrap.dedent(r'''
     import json, os, sys, time
@@ -80,14 +79,6 @@ def worker_script(tmp_path):
     return path
 
 
-def _env():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2",
-               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
-    for name in ("TF_CONFIG", "PROPHET_TF_SCHEDULER", "PROPHET_TF_LOG_LEVEL"):
-        env.pop(name, None)
-    return env
-
-
 def _launch_argv(*args):
     return [sys.executable, "-m", "prophet_tf", "launch", *args]
 
@@ -120,32 +111,31 @@ def _kill_leftovers(pids):
                 pass
 
 
-def _reap(proc):
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
-
-
 def _reports(output):
     return sorted((json.loads(line.split("REPORT ", 1)[1]) for line in output.splitlines()
                    if "REPORT " in line), key=lambda r: r["index"])
 
 
 def _run(args, timeout=120):
-    return subprocess.run(_launch_argv(*args), env=_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return run_prophet("launch", *args, env=launch_env(), timeout=timeout)
+
+
+def _start(tmp_path, args):
+    """Starts the launcher, its output to tmp_path/launch.log; returns (process, log path)."""
+    log = tmp_path / "launch.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(_launch_argv(*args), env=launch_env(), cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return proc, log
 
 
 def _start_and_wait(tmp_path, args, want_reports, timeout=120):
     """Starts the launcher (output to a file) and waits for `want_reports` REPORT lines."""
-    log = tmp_path / "launch.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(_launch_argv(*args), env=_env(), cwd=ROOT, stdout=f,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc, log = _start(tmp_path, args)
     deadline = time.monotonic() + timeout
     while len(_reports(log.read_text(errors="replace"))) < want_reports:
         if proc.poll() is not None or time.monotonic() > deadline:
-            _reap(proc)
+            reap(proc)
             pytest.fail(f"launcher exited ({proc.returncode}) or timed out before the "
                         f"workers reported:\n{log.read_text(errors='replace')}")
         time.sleep(0.1)
@@ -250,12 +240,19 @@ def test_missing_workers_flag():
     assert "--workers" in result.stderr
 
 
+def _sleeping_cluster(worker_script, tmp_path, workers):
+    """A launcher with 1 PS and `workers` sleeping workers, once all have reported; returns
+    (process, log path, pids of every task it started: workers and PS)."""
+    proc, log = _start_and_wait(tmp_path, ["--workers", str(workers), "--ps", "1", "--",
+                                           sys.executable, str(worker_script), "sleep",
+                                           str(tmp_path / "up")], workers)
+    reports = _reports(log.read_text())
+    return proc, log, {r["pid"] for r in reports} | {p for r in reports for p in r["siblings"]}
+
+
 @pytest.mark.timeout(90)
 def test_sigterm_stops_everything(worker_script, tmp_path):
-    proc, log = _start_and_wait(tmp_path, ["--workers", "2", "--ps", "1", "--", sys.executable,
-                                           str(worker_script), "sleep", str(tmp_path / "up")], 2)
-    reports = _reports(log.read_text())
-    pids = {r["pid"] for r in reports} | {p for r in reports for p in r["siblings"]}
+    proc, log, pids = _sleeping_cluster(worker_script, tmp_path, 2)
     try:
         assert len(pids) >= 3
         proc.send_signal(signal.SIGTERM)
@@ -263,7 +260,7 @@ def test_sigterm_stops_everything(worker_script, tmp_path):
         assert code != 0 and code in (130, 143), code
         assert _wait_gone(pids, timeout=5) == [], log.read_text()
     finally:
-        _reap(proc)
+        reap(proc)
         _kill_leftovers(pids)
 
 
@@ -283,12 +280,8 @@ def _children(pid):
 @pytest.mark.timeout(90)
 def test_sigterm_during_startup(worker_script, tmp_path):
     """SIGTERM while the PS is still starting: no worker is started, exit 130."""
-    log = tmp_path / "launch.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            _launch_argv("--workers", "1", "--ps", "1", "--", sys.executable,
-                         str(worker_script), "sleep", str(tmp_path / "up")),
-            env=_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc, log = _start(tmp_path, ["--workers", "1", "--ps", "1", "--", sys.executable,
+                                  str(worker_script), "sleep", str(tmp_path / "up")])
     pids = []
     try:
         deadline = time.monotonic() + 30
@@ -304,16 +297,13 @@ def test_sigterm_during_startup(worker_script, tmp_path):
         assert not (tmp_path / "up.0").exists()
         assert _wait_gone(pids, timeout=5) == []
     finally:
-        _reap(proc)
+        reap(proc)
         _kill_leftovers(pids)
 
 
 @pytest.mark.timeout(90)
 def test_sigkilled_launcher_leaves_no_orphans(worker_script, tmp_path):
-    proc, log = _start_and_wait(tmp_path, ["--workers", "1", "--ps", "1", "--", sys.executable,
-                                           str(worker_script), "sleep", str(tmp_path / "up")], 1)
-    reports = _reports(log.read_text())
-    pids = {r["pid"] for r in reports} | {p for r in reports for p in r["siblings"]}
+    proc, log, pids = _sleeping_cluster(worker_script, tmp_path, 1)
     try:
         assert len(pids) >= 2   # the worker and the PS
         proc.kill()
@@ -321,7 +311,7 @@ def test_sigkilled_launcher_leaves_no_orphans(worker_script, tmp_path):
         # The PS shuts down gracefully on SIGTERM (no RPC in flight: quickly).
         assert _wait_gone(pids, timeout=15) == []
     finally:
-        _reap(proc)
+        reap(proc)
         _kill_leftovers(pids)
 
 

@@ -5,15 +5,12 @@ attempt's PS addresses and the command lines of their siblings (the
 launcher's other children, i.e. the PS tasks), then fail or succeed as told.
 """
 import json
-import os
-import pathlib
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from cluster import launch_env, run_prophet
 
 WORKER = textwrap.dedent(r'''
     import json, os, sys
@@ -57,13 +54,7 @@ def worker(tmp_path):
 
 
 def _run(args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2",
-               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
-    for name in ("TF_CONFIG", "PROPHET_TF_SCHEDULER", "PROPHET_TF_LOG_LEVEL"):
-        env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "prophet_tf", "launch", *args], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return run_prophet("launch", *args, env=launch_env(), timeout=timeout)
 
 
 def _runs(log):

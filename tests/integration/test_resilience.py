@@ -5,11 +5,9 @@ loopback. The clusters are started by hand (not by the launcher, which would
 stop everyone as soon as one task dies): this is what a TF_CONFIG job on
 several hosts sees.
 """
-import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,47 +15,16 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, _reap
+from cluster import WorkerProcesses, child_env
 
 WORKER = pathlib.Path(__file__).with_name("resilience_worker.py")
 DETECTION_LIMIT_S = 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    """Worker processes for the given PS addresses, their output in files."""
-
-    def __init__(self, tmp: pathlib.Path, ps_addresses, num_workers: int, args):
-        self.tmp, self.procs, self.logs = tmp, [], []
-        workers = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
-        for i in range(num_workers):
-            env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2",
-                       TF_CONFIG=json.dumps({"cluster": {"worker": workers, "ps": ps_addresses},
-                                             "task": {"type": "worker", "index": i}}))
-            log = tmp / f"worker{i}.log"
-            self.logs.append(log)
-            with open(log, "wb") as out:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), *args], stdout=out,
-                    stderr=subprocess.STDOUT, env=env, cwd=ROOT))
-
-    def log(self, i: int) -> str:
-        return self.logs[i].read_text(errors="replace")
-
-    def wait(self, timeout: float) -> list[int]:
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            p.wait(max(deadline - time.monotonic(), 0.1))
-        return [p.returncode for p in self.procs]
-
-    def reap(self):
-        for p in self.procs:
-            _reap(p)
+def _workers(log_dir: pathlib.Path, ps_address: str, args) -> WorkerProcesses:
+    """Two resilience workers for one PS (reaped by the caller's `finally`)."""
+    return WorkerProcesses(log_dir, [ps_address], 2, [sys.executable, str(WORKER), *args],
+                           child_env())
 
 
 def _wait_until(predicate, timeout: float, what: str):
@@ -81,8 +48,8 @@ def _exit_time(proc: subprocess.Popen, since: float, limit: float) -> float:
 def test_a_killed_worker_fails_the_others_and_the_ps_naming_it(tmp_path, start_ps):
     ps = start_ps("--num-workers", "2")
     progress = tmp_path / "progress"
-    cluster = Cluster(tmp_path, [ps.address], 2,
-                      [str(tmp_path / "out"), "--epochs", "1000", "--die-worker", "1",
+    cluster = _workers(tmp_path, ps.address,
+                       [str(tmp_path / "out"), "--epochs", "1000", "--die-worker", "1",
                        "--die-at", "6", "--progress", str(progress), "--step-delay", "0.05"])
     try:
         _wait_until(lambda: cluster.procs[1].poll() is not None, 180, "worker 1 to die")
@@ -104,8 +71,8 @@ def test_a_killed_worker_fails_the_others_and_the_ps_naming_it(tmp_path, start_p
 def test_a_killed_ps_fails_the_workers_naming_its_address(tmp_path, start_ps):
     ps = start_ps("--num-workers", "2")
     progress = tmp_path / "progress"
-    cluster = Cluster(tmp_path, [ps.address], 2,
-                      [str(tmp_path / "out"), "--epochs", "1000", "--progress", str(progress),
+    cluster = _workers(tmp_path, ps.address,
+                       [str(tmp_path / "out"), "--epochs", "1000", "--progress", str(progress),
                        "--step-delay", "0.05"])
     try:
         _wait_until(lambda: progress.exists() and int(progress.read_text() or 0) >= 5, 180,
@@ -131,7 +98,7 @@ def test_a_killed_job_resumes_from_checkpoints_to_the_same_weights(tmp_path, sta
     # Uninterrupted reference.
     ref_ps = start_ps("--num-workers", "2")
     (tmp_path / "ref_logs").mkdir()
-    ref = Cluster(tmp_path / "ref_logs", [ref_ps.address], 2, [str(tmp_path / "ref"), *common])
+    ref = _workers(tmp_path / "ref_logs", ref_ps.address, [str(tmp_path / "ref"), *common])
     try:
         assert ref.wait(300) == [0, 0], ref.log(0)[-3000:] + ref.log(1)[-3000:]
     finally:
@@ -144,7 +111,7 @@ def test_a_killed_job_resumes_from_checkpoints_to_the_same_weights(tmp_path, sta
     # Attempt 1: worker 1 dies at step 13 (epoch 3), the rest fail.
     ps1 = start_ps(*ps_args)
     (tmp_path / "a1").mkdir()
-    first = Cluster(tmp_path / "a1", [ps1.address], 2, job)
+    first = _workers(tmp_path / "a1", ps1.address, job)
     try:
         codes = first.wait(300)
         ps1.proc.wait(60)
@@ -155,7 +122,7 @@ def test_a_killed_job_resumes_from_checkpoints_to_the_same_weights(tmp_path, sta
     # Attempt 2: everything restarts; the PS restores step 10 = the backup's.
     ps2 = start_ps(*ps_args)
     (tmp_path / "a2").mkdir()
-    second = Cluster(tmp_path / "a2", [ps2.address], 2, job)
+    second = _workers(tmp_path / "a2", ps2.address, job)
     try:
         assert second.wait(300) == [0, 0], second.log(0)[-3000:] + second.log(1)[-3000:]
     finally:

@@ -1,25 +1,34 @@
-"""Worker for test_tf_keras: trains a tf_keras (Keras 2) model under prophet_tf.Strategy.
+"""Worker for test_strategy and test_tf_keras: trains a small model under prophet_tf.Strategy.
 
-    TF_USE_LEGACY_KERAS=1 python tf_keras_worker.py --keras tf.keras --optimizer adam \
-        --model mlp --steps 6 --batch 4 --data numpy --out DIR
+    python keras_worker.py --keras keras3 --scenario train --optimizer adam --model mlp \
+        --steps 6 --batch 4 --data numpy --out DIR
 
-`--keras tf.keras` uses `tf.keras`, which is tf_keras only under
-TF_USE_LEGACY_KERAS=1 (checked); `--keras tf_keras` imports tf_keras directly.
+`--keras` picks the Keras the worker builds its model with:
+  keras3    `import keras` (Keras 3)
+  tf.keras  `tf.keras`, which is tf_keras (Keras 2) only under TF_USE_LEGACY_KERAS=1 (checked)
+  tf_keras  `import tf_keras` directly
+The PS tasks always run Keras 3.
 
 Every worker writes DIR/worker<i>.npz (final trainable weights ``t<j>``,
 get_weights ``w<j>``, predict and the BatchNorm moving statistics) and
 DIR/worker<i>.json (history, per-epoch step counts, evaluate, the save/load
-check, caught errors). Worker 0 also saves the model to DIR/model.keras and
-reloads it with plain tf_keras.
+check, caught errors and warnings). Worker 0 also saves the model to
+DIR/model.keras and reloads it with plain Keras of the same flavour.
 
 Scenarios:
   train    build + compile in strategy.scope(), fit, evaluate, predict, save.
-  misuse   (1 worker) in order: a model created outside scope(); optimizers
-           the PS cannot reproduce (clipnorm, clipvalue, global_clipnorm,
-           use_ema, a legacy optimizer, adaptive_epsilon, a custom schedule);
-           jit_compile=True; the mixed_float16 policy; then AdamW with weight
-           decay, which must train.
-           Each outcome is recorded in the JSON.
+  misuse   (1 worker) the flavour's MISUSE_CASES in order, each recorded in the
+           JSON, then TRAINS_AFTER_MISUSE, which must train; its weights go to
+           DIR/worker0.<case>.npz.
+             keras3:   a model created outside scope() and compiled and fitted
+                       under it; one created outside, compiled inside and fitted
+                       outside; jit_compile=True; an optimizer with clipnorm;
+                       then run_eagerly=True.
+             tf_keras: a model created outside scope(); optimizers the PS cannot
+                       reproduce (clipnorm, clipvalue, global_clipnorm, use_ema,
+                       a legacy optimizer, adaptive_epsilon, a custom schedule);
+                       jit_compile=True; the mixed_float16 policy; then a valid
+                       model (AdamW with weight decay, bias excluded).
 
 The data, models and optimizers are plain functions so the test can build the
 single-process reference from the same code (``--single`` runs it here too).
@@ -32,6 +41,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -44,17 +54,32 @@ CNN_SHAPE = (6, 6, 1)
 SEED = 7
 DATA_SEED = 1234
 PROBE_SEED = 99
-MISUSE_CASES = ("outside_scope", "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
-                "legacy_optimizer", "adaptive_epsilon", "custom_schedule", "jit_compile",
-                "mixed_precision")
+KERAS_CHOICES = ("keras3", "tf.keras", "tf_keras")
+MISUSE_CASES = {
+    "keras3": ("outside_scope", "outside_scope_compiled_inside", "jit_compile", "clipnorm"),
+    "tf_keras": ("outside_scope", "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
+                 "legacy_optimizer", "adaptive_epsilon", "custom_schedule", "jit_compile",
+                 "mixed_precision"),
+}
+# The case after the misuse that must still train (and is compared with plain Keras).
+TRAINS_AFTER_MISUSE = {"keras3": "run_eagerly", "tf_keras": "valid"}
 
-K = None  # The tf_keras module in use, set by select_keras().
+K = None  # The Keras module in use, set by select_keras().
+FAMILY = None  # "keras3" or "tf_keras", set by select_keras().
+
+
+def family(how: str) -> str:
+    """"keras3" or "tf_keras": `tf.keras` and `tf_keras` are the same Keras 2."""
+    return "keras3" if how == "keras3" else "tf_keras"
 
 
 def select_keras(how: str):
-    """Sets K to tf_keras, imported as `how` says ("tf.keras" or "tf_keras")."""
-    global K
-    if how == "tf_keras":
+    """Sets K to the Keras module `how` names (one of KERAS_CHOICES)."""
+    global K, FAMILY
+    if how == "keras3":
+        import keras
+        K = keras
+    elif how == "tf_keras":
         import tf_keras
         K = tf_keras
     elif how == "tf.keras":
@@ -64,6 +89,7 @@ def select_keras(how: str):
                                f"Received: tf.keras.layers.Dense from {K.layers.Dense.__module__}")
     else:
         raise ValueError(f"unknown keras import {how!r}")
+    FAMILY = family(how)
     return K
 
 
@@ -102,9 +128,15 @@ def fit_inputs(kind: str, x, y, batch_size: int) -> tuple[tuple, dict]:
         return (x, y), {"batch_size": batch_size, "shuffle": False}
     if kind == "dataset":
         return (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size),), {}
-    if kind == "sequence":
-        class ArraySequence(K.utils.Sequence):
+    if kind in ("pydataset", "sequence"):
+        # keras.utils.PyDataset (Keras 3) or tf_keras.utils.Sequence (Keras 2).
+        base = K.utils.PyDataset if kind == "pydataset" else K.utils.Sequence
+
+        class ArrayBatches(base):
             """Global batches of (x, y) in order."""
+
+            def __init__(self):
+                super().__init__()  # Keras 3 warns when a PyDataset skips it.
 
             def __len__(self):
                 return len(x) // batch_size
@@ -113,8 +145,8 @@ def fit_inputs(kind: str, x, y, batch_size: int) -> tuple[tuple, dict]:
                 s = slice(i * batch_size, (i + 1) * batch_size)
                 return x[s], y[s]
 
-        # fit's default shuffle=True would shuffle the order of a Sequence's batches.
-        return (ArraySequence(),), {"shuffle": False}
+        # fit's default shuffle=True would shuffle the order of the batches.
+        return (ArrayBatches(),), {"shuffle": False}
     raise ValueError(f"unknown data kind {kind!r}")
 
 
@@ -218,11 +250,12 @@ def train(model, args, global_batch: int) -> dict:
 
 
 def single_process(args) -> dict:
-    """Plain tf_keras on the global batch: the reference for exactness."""
+    """Plain Keras (the selected flavour) on the global batch: the reference for exactness."""
     global_batch = args.batch * args.workers
     model = build_model(args.model, args.hidden)
     compile_model(model, args.optimizer)
-    info = train(model, args, global_batch)
+    for _ in range(getattr(args, "rounds", 1)):
+        info = train(model, args, global_batch)
     return {"trainable": [v.numpy() for v in model.trainable_variables],
             "weights": model.get_weights(), "info": info}
 
@@ -232,6 +265,11 @@ def single_process(args) -> dict:
 def _error_record(e: BaseException) -> dict:
     return {"type": type(e).__name__, "message": str(e),
             "traceback": "".join(traceback.format_exception(e))[-4000:]}
+
+
+def _variable_name(variable) -> str:
+    # Keras 3 keeps the layer path in `.path` (`.name` is the last part); tf_keras in `.name`.
+    return variable.path if FAMILY == "keras3" else variable.name
 
 
 def _collect(model, strategy, args, global_batch, out_dir, tag="") -> dict:
@@ -250,7 +288,7 @@ def _collect(model, strategy, args, global_batch, out_dir, tag="") -> dict:
             arrays[f"{layer.name}.moving_variance"] = layer.moving_variance.numpy()
     np.savez(os.path.join(out_dir, f"worker{index}{tag}.npz"), **arrays)
     info = {"evaluate": {k: float(v) for k, v in evaluation.items()},
-            "trainable_names": [v.name for v in model.trainable_variables],
+            "trainable_names": [_variable_name(v) for v in model.trainable_variables],
             "num_weights": len(model.get_weights()),
             "iterations": int(model.optimizer.iterations.numpy())}
     if index == 0 and not tag:
@@ -262,7 +300,7 @@ def _save_and_load(model, out_dir) -> dict:
     path = os.path.join(out_dir, "model.keras")
     try:
         model.save(path)
-        loaded = K.models.load_model(path)  # Plain tf_keras: outside the strategy.
+        loaded = K.models.load_model(path)  # Plain Keras: outside the strategy.
         ours, theirs = model.get_weights(), loaded.get_weights()
         equal = len(ours) == len(theirs) and all(
             a.shape == b.shape and np.array_equal(a, b) for a, b in zip(ours, theirs))
@@ -273,10 +311,18 @@ def _save_and_load(model, out_dir) -> dict:
 
 def scenario_train(strategy, args, out_dir) -> dict:
     global_batch = args.batch * strategy.num_replicas_in_sync
+    hidden = args.hidden + (strategy.worker_index if args.hidden_by_worker else 0)
     with strategy.scope():
-        model = build_model(args.model, args.hidden)
+        model = build_model(args.model, hidden)
         compile_model(model, args.optimizer)
     info = train(model, args, global_batch)
+    for _ in range(1, args.rounds):
+        # fit -> evaluate -> predict -> fit: Keras drops and makes input
+        # iterators at each boundary (a worker once crashed there).
+        x_probe, y_probe = probe_data(args.model, global_batch)
+        model.evaluate(x_probe, y_probe, batch_size=global_batch, verbose=0)
+        model.predict(x_probe, batch_size=global_batch, verbose=0)
+        info = train(model, args, global_batch)
     info.update(_collect(model, strategy, args, global_batch, out_dir))
     return info
 
@@ -289,7 +335,7 @@ def write_json(out_dir, index, info) -> None:
 
 
 def scenario_misuse(strategy, args, out_dir) -> dict:
-    """Each kind of misuse in turn, then a valid model that must still train.
+    """Each kind of misuse in turn, then a model that must still train.
 
     The JSON is rewritten after each case, so a case that hangs (and is ended
     by the watchdog) leaves the earlier outcomes behind.
@@ -302,10 +348,13 @@ def scenario_misuse(strategy, args, out_dir) -> dict:
         model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0)
 
     def attempt(name, fn):
-        try:
-            results[name] = {"raised": False, "value": fn()}
-        except Exception as e:  # noqa: BLE001 - reported to the test.
-            results[name] = {"raised": True, **_error_record(e)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                results[name] = {"raised": False, "value": fn()}
+            except Exception as e:  # noqa: BLE001 - reported to the test.
+                results[name] = {"raised": True, **_error_record(e)}
+        results[name]["warnings"] = [str(w.message) for w in caught]
         write_json(out_dir, strategy.worker_index, {"misuse": results})
 
     def outside_scope():
@@ -313,6 +362,12 @@ def scenario_misuse(strategy, args, out_dir) -> dict:
         with strategy.scope():
             compile_model(model, "sgd")
             fit(model)
+
+    def outside_scope_compiled_inside():
+        model = build_model(args.model)  # Created outside scope(), compiled inside,
+        with strategy.scope():
+            compile_model(model, "sgd")
+        fit(model)  # fitted outside.
 
     def rejected_optimizer(name):
         def run():
@@ -338,48 +393,57 @@ def scenario_misuse(strategy, args, out_dir) -> dict:
         finally:
             K.mixed_precision.set_global_policy("float32")
 
-    cases = {"outside_scope": outside_scope, "jit_compile": jit,
-             "mixed_precision": mixed_precision}
-    for name in MISUSE_CASES:
+    cases = {"outside_scope": outside_scope,
+             "outside_scope_compiled_inside": outside_scope_compiled_inside,
+             "jit_compile": jit, "mixed_precision": mixed_precision}
+    for name in MISUSE_CASES[FAMILY]:
         print(f"worker {strategy.worker_index}: misuse case {name}", flush=True)
         attempt(name, cases.get(name) or rejected_optimizer(name))
 
-    # After all of that (nothing registered), a valid model trains exactly.
+    # After all of that (nothing registered), a model trains exactly: run_eagerly
+    # (Keras 3, which must warn) or a plain valid model (tf_keras).
+    last = TRAINS_AFTER_MISUSE[FAMILY]
     final = {}
 
-    def valid():
+    def trains():
         with strategy.scope():
             model = build_model(args.model)
-            compile_model(model, args.optimizer)
+            compile_model(model, args.optimizer, **({"run_eagerly": True}
+                                                    if last == "run_eagerly" else {}))
         final["model"] = model
         return train(model, args, global_batch)
 
-    print(f"worker {strategy.worker_index}: valid model ({args.optimizer})", flush=True)
-    attempt("valid", valid)
-    if not results["valid"]["raised"]:
-        results["valid"]["collect"] = _collect(final["model"], strategy, args, global_batch,
-                                               out_dir, tag=".valid")
+    print(f"worker {strategy.worker_index}: misuse case {last} ({args.optimizer})", flush=True)
+    attempt(last, trains)
+    if not results[last]["raised"]:
+        results[last]["collect"] = _collect(final["model"], strategy, args, global_batch,
+                                            out_dir, tag=f".{last}")
     return {"misuse": results}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--keras", choices=["tf.keras", "tf_keras"], default="tf.keras",
-                        help="how the worker gets tf_keras")
+    parser.add_argument("--keras", choices=KERAS_CHOICES, default="keras3",
+                        help="which Keras the worker builds its model with")
     parser.add_argument("--scenario", choices=["train", "misuse"], default="train")
     parser.add_argument("--optimizer", choices=["sgd", "momentum", "adam", "schedule", "adamw"],
                         default="sgd")
     parser.add_argument("--model", choices=["mlp", "bn", "cnn"], default="mlp")
-    parser.add_argument("--data", choices=["numpy", "dataset", "sequence"], default="numpy")
+    parser.add_argument("--data", choices=["numpy", "dataset", "pydataset", "sequence"],
+                        default="numpy")
     parser.add_argument("--steps", type=int, default=6, help="steps per epoch")
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="fit this many times, with evaluate and predict in between")
     parser.add_argument("--lr-callback", action="store_true",
                         help="change the learning rate with LearningRateScheduler")
     parser.add_argument("--batch", type=int, default=4, help="per-worker batch")
     parser.add_argument("--hidden", type=int, default=8)
+    parser.add_argument("--hidden-by-worker", action="store_true",
+                        help="worker i uses hidden + i units (a model mismatch)")
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--single", action="store_true",
-                        help="plain single-process tf_keras at batch * --workers")
+                        help="plain single-process Keras at batch * --workers")
     parser.add_argument("--workers", type=int, default=2, help="with --single")
     parser.add_argument("--watchdog", type=float, default=0.0,
                         help="after this many seconds, print every thread's stack and exit 1")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 from typing import Any
 
 TASK_TYPES = ("worker", "ps", "chief", "evaluator")
@@ -141,3 +142,15 @@ def _from_dict(config: Any, source: str) -> ClusterConfig:
         index += len(spec.get("chief", []))
     return ClusterConfig(workers=tuple(workers), ps=tuple(ps), task_type=task_type,
                          task_index=index)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port of `host` that nothing listens on now (the OS picks it: bind to port 0).
+
+    For addresses of tasks started on this machine (the launcher, the bench);
+    another process may take it before the task binds it, which the task's
+    bind then reports.
+    """
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 
+from prophet_tf import cluster as cluster_lib
 from prophet_tf.bench import ideal as ideal_lib
 from prophet_tf.bench import models, netns
 from prophet_tf.engine import schedulers as schedulers_lib
@@ -76,17 +77,10 @@ class _Cluster:
     def worker_address(self, j: int) -> str:
         if self.network:
             return f"{self.network.addresses[self.num_ps + j]}:{WORKER_PORT}"
-        return f"127.0.0.1:{_free_port()}"
+        return f"127.0.0.1:{cluster_lib.free_port()}"
 
     def command(self, host: int, argv: list[str]) -> list[str]:
         return self.network.command(host, argv) if self.network else argv
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(extra: dict | None = None) -> dict:

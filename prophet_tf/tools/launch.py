@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 
+from prophet_tf import cluster as cluster_lib
 from prophet_tf import progress
 from prophet_tf.tools import board as board_lib
 
@@ -100,13 +101,6 @@ class Task:
                 self.process.kill()
                 self.process.wait()
         self._relay.join(timeout=2.0)
-
-
-def _free_port(host: str) -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_port_file(task: Task, path: str, timeout_s: float,
@@ -283,7 +277,7 @@ class _Cluster:
                                   self.client_security)
                     board.healthy(task.name, address)
                 # Workers do not listen yet; a free port keeps their names valid addresses.
-                workers = [f"{host}:{_free_port(host)}" for _ in range(num_workers)]
+                workers = [f"{host}:{cluster_lib.free_port(host)}" for _ in range(num_workers)]
                 cluster = {"worker": workers, "ps": addresses}
                 worker_tasks = []
                 for i in range(num_workers):

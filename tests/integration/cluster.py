@@ -20,13 +20,14 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+
+from prophet_tf import cluster as cluster_lib
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -65,11 +66,7 @@ def run_prophet(*args: str, env: dict, timeout: float, cwd=ROOT) -> subprocess.C
                           stdin=subprocess.DEVNULL)
 
 
-def free_port() -> int:
-    """A port nothing listens on now (the OS picks it: bind to port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = cluster_lib.free_port
 
 
 def reap(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

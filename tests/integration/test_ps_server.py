@@ -3,7 +3,6 @@
 import concurrent.futures
 import json
 import signal
-import socket
 import threading
 import time
 
@@ -13,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ps_helpers
+from prophet_tf.cluster import free_port
 from prophet_tf.ps import client as ps_client
 from prophet_tf.ps import sharding
 from prophet_tf.ps.v1 import ps_pb2
@@ -263,12 +263,6 @@ def test_sigterm_stops_the_server_with_exit_code_0(start_ps):
         assert time.monotonic() - start < 30
         with pytest.raises(grpc.RpcError):
             pending.result(30)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(180)

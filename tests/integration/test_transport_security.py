@@ -4,7 +4,6 @@
 basename, so two files of the same name would collide.)
 """
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import cluster
 from conftest import ROOT, run_ps
 import ps_helpers
 from prophet_tf.ps import client as ps_client
@@ -41,14 +41,10 @@ BAD = security.ClientSecurity(security.Token(WRONG, "test"))
 
 
 def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2",
-               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
-    for name in ("TF_CONFIG", "PROPHET_TF_SCHEDULER", security.TOKEN_ENV, security.TOKEN_FILE_ENV,
-                 security.TLS_CA_ENV, security.TLS_SERVER_NAME_ENV, security.TLS_CERT_ENV,
-                 security.TLS_KEY_ENV):
-        env.pop(name, None)
-    env.update(extra)
-    return env
+    return cluster.child_env(drop=("TF_CONFIG", "PROPHET_TF_SCHEDULER", security.TOKEN_ENV,
+                                   security.TOKEN_FILE_ENV, security.TLS_CA_ENV,
+                                   security.TLS_SERVER_NAME_ENV, security.TLS_CERT_ENV,
+                                   security.TLS_KEY_ENV), **cluster.ONE_TF_THREAD, **extra)
 
 
 

@@ -1,16 +1,10 @@
-"""The one module that loads prophet_tf's native code.
+"""prophet_tf's native code from Python: the three ops and the C API's wrappers.
 
 ``_prophet_ops.so`` holds the TensorFlow ops (``ReadyStamp``, ``PushGrad``,
 ``AwaitParam``) and a small C API the engine drives through ctypes: the stamp
-buffer, the gradient queue and the parameter staging area. The library is
-loaded twice, by ``tf.load_op_library`` and by ``ctypes.CDLL`` on the same
-path; the second load uses ``RTLD_NOLOAD`` so it can only attach to the image
-TensorFlow already loaded, which is what makes the kernels and the engine share
-one set of queues.
-
-Nothing is loaded at import time. ``load()`` (or any wrapper) loads on first
-use and raises ``ImportError`` with a rebuild hint when the library is missing
-or was built against another TensorFlow; ``ops_available()`` never raises.
+buffer, the gradient queue and the parameter staging area. Loading it is
+prophet_tf._native_library's job; any wrapper here loads on first use (and
+raises ``ImportError`` with a rebuild hint when it cannot).
 
 ``ReadyStamp`` and ``AwaitParam`` are registered non-stateful so that
 tf.function's automatic control dependencies do not serialise them: their
@@ -23,17 +17,14 @@ folding is refused by the kernels, so constant inputs are fine.
 from __future__ import annotations
 
 import ctypes
-import json
-import logging
-import os
-import pathlib
-import threading
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
 from prophet_tf import codec
+from prophet_tf._native_library import (  # noqa: F401 (re-exported)
+    _GradInfo, load, load_library, ops_available)
 from prophet_tf.engine.timeline import StampKind
 
 __all__ = [
@@ -43,14 +34,6 @@ __all__ = [
     "declare_param", "freeze_param", "deliver_begin", "deliver_write", "deliver_commit",
     "deliver_cancel", "deliver", "param_version", "pending_awaits", "abort", "reset",
 ]
-
-logger = logging.getLogger(__name__)
-
-LIBRARY_NAME = "_prophet_ops.so"
-BUILD_INFO_NAME = "_build_info.json"
-_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
-REBUILD_HINT = ("Rebuild it from the prophet_tf checkout with `pip install -e .` or "
-                "`python setup.py build_ext --inplace`.")
 
 
 # Layout of the C struct ProphetStamp (32 bytes).
@@ -67,135 +50,6 @@ _SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 class RuntimeAbortedError(RuntimeError):
     """The native runtime was aborted (``abort``); carries the abort message."""
-
-
-class _GradInfo(ctypes.Structure):
-    _fields_ = [("key", ctypes.c_int64), ("step", ctypes.c_int64), ("data", ctypes.c_void_p),
-                ("nbytes", ctypes.c_int64), ("handle", ctypes.c_int64), ("dtype", ctypes.c_int32),
-                ("reserved", ctypes.c_int32), ("ready_ns", ctypes.c_int64)]
-
-
-class Native(NamedTuple):
-    """The loaded library: ``ops`` is the op module, ``lib`` the ctypes C API."""
-
-    ops: Any
-    lib: ctypes.CDLL
-    path: pathlib.Path
-
-
-# --------------------------------------------------------------------------- loading
-
-def _build_info(directory: pathlib.Path) -> dict:
-    try:
-        return json.loads((directory / BUILD_INFO_NAME).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _declare_c_api(lib: ctypes.CDLL) -> None:
-    i64, i32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    signatures = {
-        "prophet_now_ns": (i64, []),
-        "prophet_stamp": (None, [i64, i64, i32]),
-        "prophet_drain_stamps": (i64, [vp, i64]),
-        "prophet_stamps_dropped": (i64, []),
-        "prophet_stamp_capacity": (i64, []),
-        "prophet_stamp_kind_name": (ctypes.c_char_p, [i32]),
-        "prophet_stamp_benchmark": (i64, [i64, i32]),
-        "prophet_next_grad": (ctypes.c_int, [i64, ctypes.POINTER(_GradInfo)]),
-        "prophet_release_grad": (None, [i64]),
-        "prophet_outstanding_grads": (i64, []),
-        "prophet_queued_grads": (i64, []),
-        "prophet_declare_param": (ctypes.c_int, [i64, i32, i32, ctypes.POINTER(i64)]),
-        "prophet_freeze_param": (ctypes.c_int, [i64]),
-        "prophet_deliver_begin": (ctypes.c_int, [i64, i64]),
-        "prophet_deliver_write": (ctypes.c_int, [i64, i64, i64, vp, i64]),
-        "prophet_deliver_commit": (ctypes.c_int, [i64, i64]),
-        "prophet_deliver_cancel": (ctypes.c_int, [i64, i64]),
-        "prophet_param_nbytes": (i64, [i64]),
-        "prophet_param_version": (i64, [i64]),
-        "prophet_param_dtype": (i32, [i64]),
-        "prophet_pending_awaits": (i64, []),
-        "prophet_abort": (None, [ctypes.c_char_p]),
-        "prophet_reset": (None, []),
-        "prophet_last_error": (ctypes.c_char_p, []),
-        "prophet_last_error_code": (ctypes.c_int, []),
-    }
-    for name, (restype, argtypes) in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-
-
-def load_library(directory: str | os.PathLike | None = None) -> Native:
-    """Loads ``_prophet_ops.so`` from `directory` (default: this package). Uncached.
-
-    Args:
-        directory: folder holding ``_prophet_ops.so`` and ``_build_info.json``.
-
-    Returns:
-        The loaded `Native` library.
-
-    Raises:
-        ImportError: the library is missing, was built against another
-            TensorFlow version, or fails to load; the message says how to rebuild.
-    """
-    directory = pathlib.Path(directory) if directory is not None else _PACKAGE_DIR
-    path = directory / LIBRARY_NAME
-    if not path.is_file():
-        raise ImportError(f"prophet_tf's native op library was not built: {path} does not "
-                          f"exist. {REBUILD_HINT}")
-    try:
-        ops = tf.load_op_library(str(path))
-    except Exception as e:  # tf.errors.NotFoundError for dlopen failures; be broad.
-        built = _build_info(directory).get("tensorflow_version")
-        if built and built != tf.__version__:
-            raise ImportError(
-                f"prophet_tf's op library {path} was built against TensorFlow {built}, but "
-                f"TensorFlow {tf.__version__} is installed, and it fails to load: {e}. "
-                f"{REBUILD_HINT}") from e
-        raise ImportError(f"prophet_tf's op library {path} failed to load: {e}. "
-                          f"{REBUILD_HINT}") from e
-    try:
-        # RTLD_NOLOAD: attach to the image TensorFlow just loaded, never a second copy,
-        # so the kernels and this C API share one runtime.
-        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_NOLOAD)
-        _declare_c_api(lib)
-    except (OSError, AttributeError) as e:
-        raise ImportError(f"prophet_tf could not bind the C API of {path}: {e}. "
-                          f"{REBUILD_HINT}") from e
-    built = _build_info(directory).get("tensorflow_version")
-    if built and built != tf.__version__:
-        logger.warning("prophet_tf's op library was built against TensorFlow %s but TensorFlow "
-                       "%s is installed; it loaded, but %s", built, tf.__version__, REBUILD_HINT)
-    return Native(ops=ops, lib=lib, path=path)
-
-
-_lock = threading.Lock()
-_native: Native | None = None
-
-
-def load() -> Native:
-    """Loads the package's native library once and returns it.
-
-    Raises:
-        ImportError: as `load_library`.
-    """
-    global _native
-    if _native is None:
-        with _lock:
-            if _native is None:
-                _native = load_library()
-    return _native
-
-
-def ops_available() -> bool:
-    """Returns whether the native library loads. Never raises."""
-    try:
-        load()
-        return True
-    except Exception:  # pylint: disable=broad-except
-        return False
 
 
 def _lib() -> ctypes.CDLL:

@@ -6,7 +6,8 @@ TensorFlow made unimportable.
   prophet_tf.tools: the transport and the engine do not depend on the benchmark or the
   command-line tools.
 - Nothing under prophet_tf/engine/ imports TensorFlow, Keras, tf_keras or the worker's
-  TensorFlow modules (prophet_tf._native, prophet_tf.strategy, prophet_tf.variables):
+  TensorFlow modules (prophet_tf._native, prophet_tf._native_library, prophet_tf.strategy,
+  prophet_tf.variables):
   the simulator drives the engine's dispatch without TensorFlow.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ PACKAGE = ROOT / "prophet_tf"
 
 NO_BENCH_OR_TOOLS = ("prophet_tf.bench", "prophet_tf.tools")
 ENGINE_FORBIDDEN = ("tensorflow", "keras", "tf_keras", "prophet_tf._native",
-                    "prophet_tf.strategy", "prophet_tf.variables")
+                    "prophet_tf._native_library", "prophet_tf.strategy", "prophet_tf.variables")
 
 
 def module_name(path: pathlib.Path) -> str:

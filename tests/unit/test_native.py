@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from prophet_tf import _native
+from prophet_tf import _native, _native_library
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,8 +68,8 @@ def test_other_load_failure_keeps_original_message(tmp_path):
 
 
 def test_ops_available_never_raises(monkeypatch, tmp_path):
-    monkeypatch.setattr(_native, "_native", None)
-    monkeypatch.setattr(_native, "_PACKAGE_DIR", tmp_path)
+    monkeypatch.setattr(_native_library, "_native", None)
+    monkeypatch.setattr(_native_library, "_PACKAGE_DIR", tmp_path)
     assert _native.ops_available() is False
 
 

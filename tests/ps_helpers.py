@@ -29,3 +29,15 @@ def write_chunk(chunk, out: Mapping[int, np.ndarray],
 def push(client, chunks, timeout=None) -> int:
     """Pushes one block and waits: the number of duplicates the PS counted."""
     return client.push_future(chunks, timeout).result().duplicates
+
+
+def rpc_error(call):
+    """The grpc.RpcError that `call` raises (a stream is read to its end to get it)."""
+    import grpc  # here: the load worker and the transport bench import this module too
+    import pytest
+
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__next__"):
+            list(result)
+    return info.value

@@ -119,14 +119,6 @@ def test_two_concurrent_workers_sum_exactly_and_ignore_duplicates(model):
     assert current(model)[1] == start + steps
 
 
-def rpc_error(call):
-    with pytest.raises(grpc.RpcError) as info:
-        result = call()
-        if hasattr(result, "__next__"):
-            list(result)
-    return info.value
-
-
 def raw_push(client, worker_id, chunk_fields):
     stub = client._channel.unary_unary(
         "/prophet_tf.ps.v1.ParameterServer/Push",
@@ -162,15 +154,15 @@ def test_bad_inputs_get_their_status_and_change_nothing(model):
          ["expected 32 bytes", "Received: 1 bytes"]),
     ]
     for chunks, code, fragments in cases:
-        error = rpc_error(lambda: raw_push(model[0], 0, chunks))
+        error = ps_helpers.rpc_error(lambda: raw_push(model[0], 0, chunks))
         assert error.code() == code, (chunks, error.details())
         for fragment in fragments:
             assert fragment in error.details()
-    error = rpc_error(lambda: raw_push(model[0], 2, [good]))
+    error = ps_helpers.rpc_error(lambda: raw_push(model[0], 2, [good]))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "worker_id=2" in error.details()
 
-    error = rpc_error(lambda: model[0].pull([(0, 9)], 0, timeout=30))
+    error = ps_helpers.rpc_error(lambda: model[0].pull([(0, 9)], 0, timeout=30))
     assert error.code() == grpc.StatusCode.NOT_FOUND and "partition=9" in error.details()
 
     # Nothing changed: same values and version; worker 0's step still pending.
@@ -194,13 +186,13 @@ def test_a_worker_with_another_model_is_rejected_and_the_others_fail_fast(start_
     clients[0].register(SPECS, SGD1, initial, max_partition_bytes=LIMIT, timeout=60)
     bad_specs = [ps_pb2.VariableSpec(key=0, name="dense/kernel", shape=[6, 5], dtype="float32"),
                  SPECS[1]]
-    error = rpc_error(lambda: clients[1]._register(ps_pb2.RegisterRequest(
+    error = ps_helpers.rpc_error(lambda: clients[1]._register(ps_pb2.RegisterRequest(
         worker_id=1, num_workers=2, variables=bad_specs, optimizer_config=SGD1,
         max_partition_bytes=LIMIT), timeout=30))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'dense/kernel'" in error.details() and "shape=[6, 5]" in error.details()
     # Worker 0 waits for a step that can never come: it hears why at once.
-    error = rpc_error(lambda: list(clients[0].pull(PARTITIONS, 1, timeout=30)))
+    error = ps_helpers.rpc_error(lambda: list(clients[0].pull(PARTITIONS, 1, timeout=30)))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "worker 1 declared another model" in error.details()
     for c in clients:
@@ -213,7 +205,7 @@ def test_oversized_message_is_resource_exhausted(model):
     big = ps_client.PSClient(model[0].address, 0, 2, max_message_bytes=128 << 20)
     try:
         chunk = ps_client.Chunk(1, 0, version, np.zeros((65 << 20) // 4, np.float32))
-        error = rpc_error(lambda: ps_helpers.push(big, [chunk], timeout=60))
+        error = ps_helpers.rpc_error(lambda: ps_helpers.push(big, [chunk], timeout=60))
     finally:
         big.close()
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
@@ -241,7 +233,7 @@ def test_pull_waits_for_the_version_then_returns_it(model):
 def test_pull_deadline_expires(model):
     _, version = current(model)
     start = time.monotonic()
-    error = rpc_error(lambda: pull_all(model[0], version + 10, timeout=0.5))
+    error = ps_helpers.rpc_error(lambda: pull_all(model[0], version + 10, timeout=0.5))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert 0.4 < time.monotonic() - start < 10
 

@@ -63,14 +63,6 @@ def pull_all(client, min_version):
     return out, versions
 
 
-def rpc_error(call):
-    with pytest.raises(grpc.RpcError) as info:
-        result = call()
-        if hasattr(result, "__next__"):
-            list(result)
-    return info.value
-
-
 @pytest.fixture(scope="module")
 def guarded_ps(tmp_path_factory):
     """A W=1 PS bound to 0.0.0.0 (allowed: it has a token) that requires TOKEN."""
@@ -95,7 +87,7 @@ def test_health_needs_the_token(guarded_ps):
                 stub = health_pb2_grpc.HealthStub(channel)
                 for call in (lambda: stub.Check(request, timeout=30),
                              lambda: stub.Watch(request, timeout=30)):
-                    error = rpc_error(call)
+                    error = ps_helpers.rpc_error(call)
                     assert error.code() == grpc.StatusCode.UNAUTHENTICATED
                     assert fragment in error.details()
                     assert TOKEN not in error.details() and WRONG not in error.details()
@@ -116,7 +108,7 @@ def test_token_guards_register_push_pull_and_changes_nothing(guarded_ps):
         # Outsiders try to declare another model first, with initial values.
         other_initial = {0: np.ones((6, 5), np.float32), 1: np.ones(4, np.float32)}
         for client, fragment in outsiders:
-            error = rpc_error(lambda: client.register(OTHER_SPECS, SGD1, other_initial,
+            error = ps_helpers.rpc_error(lambda: client.register(OTHER_SPECS, SGD1, other_initial,
                                                       max_partition_bytes=LIMIT, timeout=30))
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED
             assert fragment in error.details()
@@ -133,10 +125,10 @@ def test_token_guards_register_push_pull_and_changes_nothing(guarded_ps):
         # Pushes without the right token (step 0, as a real worker would) are refused...
         for client, fragment in outsiders:
             bad_push = ps_helpers.gradient_chunks(grads(666), PARTITIONS, 0)
-            error = rpc_error(lambda: client.push_future(bad_push, timeout=30).result())
+            error = ps_helpers.rpc_error(lambda: client.push_future(bad_push, timeout=30).result())
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED
             assert fragment in error.details()
-            error = rpc_error(lambda: client.pull(PARTITIONS, 0, timeout=30))
+            error = ps_helpers.rpc_error(lambda: client.pull(PARTITIONS, 0, timeout=30))
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED
             assert fragment in error.details()
         # ...and changed nothing: the right push of step 0 is the first one counted,
@@ -185,7 +177,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path, start_ps, monkeypatch):
         health.wait_serving(ps.address, 2, security=plain)
     assert ps.address in str(info.value)
     with ps_client.PSClient(ps.address, 0, 1, security=plain) as client:
-        error = rpc_error(lambda: client.register(SPECS, SGD1, max_partition_bytes=LIMIT,
+        error = ps_helpers.rpc_error(lambda: client.register(SPECS, SGD1, max_partition_bytes=LIMIT,
                                                   timeout=5))
         assert error.code() == grpc.StatusCode.UNAVAILABLE
     # Without the server name the certificate does not match 127.0.0.1.

@@ -132,12 +132,15 @@ def test_latency_without_netem_is_a_clear_error_or_works():
 
 @pytest.mark.timeout(60)
 def test_transport_shaping_fallback_paces_pushes(monkeypatch):
-    """Without namespaces the bench sets PROPHET_TF_SHAPE_MBIT: pushes are paced."""
+    """Without namespaces the bench sets PROPHET_TF_SHAPE_MBIT: the strategy hands the
+    engine shaping.from_env, whose buckets pace each PS client's pushes."""
     import numpy as np
 
+    from prophet_tf.bench import shaping
     from prophet_tf.ps.client import Chunk, PSClient
     monkeypatch.setenv("PROPHET_TF_SHAPE_MBIT", "80")  # 10 MB/s
-    client = PSClient("127.0.0.1:1", worker_id=0, num_workers=1)  # nothing listens: not needed
+    client = PSClient("127.0.0.1:1", worker_id=0, num_workers=1,  # nothing listens: not needed
+                      shapers=shaping.from_env())
     try:
         chunk = Chunk(0, 0, 0, np.zeros(250_000, np.float32))  # 1 MB
         t0 = time.monotonic()

@@ -59,6 +59,10 @@ class Dispatch:
         self.partitions_of: dict[int, list[sharding.Partition]] = {}
         for p in self.partitions:
             self.partitions_of.setdefault(p.key, []).append(p)
+        # Fixed for the run: sorted once, not at every iteration's pull.
+        self._pull_orders = [sorted((p for p in self.partitions if p.ps_index == i),
+                                    key=lambda p: (self.specs[p.key].priority, p.partition))
+                             for i in range(num_ps)]
         #: The one in-flight window of each link, sized by the scheduler.
         self.windows = schedulers.Windows(scheduler.window_blocks, scheduler.window_bytes)
         scheduler.bind_windows(self.windows)
@@ -81,9 +85,9 @@ class Dispatch:
         return key
 
     def pull_order(self, ps_index: int) -> list[sharding.Partition]:
-        """The partitions PS ``ps_index`` owns, in the order to pull them: by priority."""
-        return sorted((p for p in self.partitions if p.ps_index == ps_index),
-                      key=lambda p: (self.specs[p.key].priority, p.partition))
+        """The partitions PS ``ps_index`` owns, in the order to pull them: by
+        priority. A new list each call: the caller may consume it."""
+        return list(self._pull_orders[ps_index])
 
     def byte_offset(self, p: sharding.Partition) -> int:
         """Where partition ``p`` starts in its variable's buffer."""

@@ -219,19 +219,19 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         if len(self._trained_this_trace) == len(self._raw_grads):
             self._register(list(self._trained_this_trace), fn)
         with tf.device("/cpu:0"):
-            _native.push_grad(var.handle, tf.cast(grad, var.dtype), key=var.ps_key, step=self._step_value)
+            _native.push_grad(var.handle, tf.cast(grad, var.dtype), key=var.native_key, step=self._step_value)
         return ()
 
     def _register(self, trained: list[PSVariable], update_fn) -> None:
         """Starts training through the PS once the trained variables are known."""
         if self._registered is not None:
-            if [v.ps_key for v in trained] != [v.ps_key for v in self._registered]:
+            if [v.native_key for v in trained] != [v.native_key for v in self._registered]:
                 raise ValueError(
                     "The set of trained variables changed after training through the PS "
                     "started; freezing or unfreezing layers after the first fit() is not "
                     "supported under prophet_tf.Strategy. Registered variable keys: "
-                    f"{[v.ps_key for v in self._registered]}. Received: "
-                    f"{[v.ps_key for v in trained]}")
+                    f"{[v.native_key for v in self._registered]}. Received: "
+                    f"{[v.native_key for v in trained]}")
             return
         untrained = [v for v in self._ps_variables if all(v is not t for t in trained)]
         optimizer = _optimizer_of(update_fn)
@@ -255,7 +255,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                 self._step.assign(start)
             for variable in untrained:
                 # Frozen: its reads return the staged local value at any step.
-                _native.freeze_param(variable.ps_key)
+                _native.freeze_param(variable.native_key)
             for variable in trained:
                 variable._ps_managed = True
         self._registered = trained

@@ -37,7 +37,7 @@ class PSVariable(resource_variable_ops.ResourceVariable):
         """
         initial = variable.read_value().numpy()
         variable.__class__ = cls
-        variable._ps_key = key
+        variable._native_key = key
         variable._ps_step = step_variable
         variable._ps_managed = False  # True once training through the PS began.
         _native.declare_param(key, initial.dtype, initial.shape)
@@ -45,9 +45,10 @@ class PSVariable(resource_variable_ops.ResourceVariable):
         return variable
 
     @property
-    def ps_key(self) -> int:
-        """The op library's key of this variable (its creation index), not the PS key."""
-        return self._ps_key
+    def native_key(self) -> int:
+        """The op library's key of this variable (its creation index); the PS key is its
+        position among the trained variables."""
+        return self._native_key
 
     def initial_numpy(self) -> np.ndarray:
         """Version 0 as staged locally: the value worker 0 registers with the PS.
@@ -55,13 +56,13 @@ class PSVariable(resource_variable_ops.ResourceVariable):
         Read at version 0 explicitly: in eager mode the step counter has
         already moved on to the step being traced.
         """
-        return _native.await_param(0, key=self._ps_key, dtype=self.dtype,
+        return _native.await_param(0, key=self._native_key, dtype=self.dtype,
                                    shape=self.shape).numpy()
 
     def _read_variable_op(self, no_copy=False):
         del no_copy  # The staged tensor is shared, never copied.
         resource_variable_ops.variable_accessed(self)
-        value = _native.await_param(self._ps_step.read_value(), key=self._ps_key,
+        value = _native.await_param(self._ps_step.read_value(), key=self._native_key,
                                     dtype=self.dtype, shape=self.shape)
         # Gradients flow to the variable's handle as through ReadVariableOp.
         record.record_operation("AwaitParam", [value], [self.handle],
@@ -104,5 +105,5 @@ class PSVariable(resource_variable_ops.ResourceVariable):
         if not self._shape.is_compatible_with(value.shape):
             raise ValueError(f"Cannot assign to {self.name!r}: its shape is {self._shape}. "
                              f"Received: value.shape={value.shape}")
-        _native.deliver(self._ps_key, 0, np.asarray(value.numpy(), dtype=self.dtype.as_numpy_dtype))
+        _native.deliver(self._native_key, 0, np.asarray(value.numpy(), dtype=self.dtype.as_numpy_dtype))
         return value

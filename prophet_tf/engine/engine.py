@@ -111,7 +111,7 @@ class Engine:
 
         Args:
           variables: the trained variables in trainable_variables order: each
-            with ``ps_key`` (its op-library key), ``shape``, ``dtype`` and a
+            with ``native_key`` (its op-library key), ``shape``, ``dtype`` and a
             ``path`` or ``name``.
           optimizer_config: JSON the PS rebuilds the Keras optimizer from.
           learning_rate: reads the worker optimizer's current learning rate
@@ -143,7 +143,7 @@ class Engine:
                              f"{len(variables) - 1}). Received: keys {sorted(initial_values)}")
         self._specs = specs = variable_specs(variables)
         scheduler = schedulers.make_scheduler(self.scheduler_name, **self.scheduler_options)
-        self._dispatch = dispatch = Dispatch([v.ps_key for v in variables], specs,
+        self._dispatch = dispatch = Dispatch([v.native_key for v in variables], specs,
                                              self.config.num_ps, scheduler)
         self._assembler = Assembler(self._native, dispatch)
         self._recorder = timeline_lib.Recorder(

@@ -78,7 +78,7 @@ def main():
     y = rng.integers(0, 10, size=args.steps * args.batch)
     model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
     weights = model.get_weights()  # Waits for the last step's parameters.
-    keys = [v.value.ps_key for v in model.trainable_variables]  # Forward order.
+    keys = [v.value.native_key for v in model.trainable_variables]  # Forward order.
     extra = {"stamps": _native.drain_stamps()} if args.stamps else {}
     np.savez(f"{args.out_prefix}.{strategy.worker_index}.npz", *weights,
              scheduler=strategy.scheduler, keys=np.array(keys), **extra)

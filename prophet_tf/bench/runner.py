@@ -50,8 +50,7 @@ __all__ = ["run_bench", "main", "DEFAULTS", "WARMUP_STEPS"]
 
 logger = logging.getLogger(__name__)
 
-WARMUP_STEPS = (schedulers_lib.ProphetScheduler.WARMUP_ITERATIONS
-                + schedulers_lib.ProphetScheduler.PROFILE_ITERATIONS + 1)
+WARMUP_STEPS = schedulers_lib.ProphetScheduler.ITERATIONS_BEFORE_PLAN
 ALL_SCHEDULERS = ("fifo", "p3", "bytescheduler", "prophet", "tf-mwms")
 #: The target configuration: the bench CNN, 2 workers, 1 PS, global batch 64,
 #: and the bandwidth at which FIFO's communication time is about its compute

@@ -59,8 +59,7 @@ logger = logging.getLogger(__name__)
 #: Fixed cost per message (serialisation, gRPC, Python), from the bench's
 #: loopback figures: ~0.1 ms per message at the client plus the PS's handling.
 DEFAULT_RPC_OVERHEAD_S = 0.0003
-WARMUP_ITERATIONS = (schedulers_lib.ProphetScheduler.WARMUP_ITERATIONS
-                + schedulers_lib.ProphetScheduler.PROFILE_ITERATIONS + 1)
+WARMUP_ITERATIONS = schedulers_lib.ProphetScheduler.ITERATIONS_BEFORE_PLAN
 _NS = 1_000_000_000
 
 

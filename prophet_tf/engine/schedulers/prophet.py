@@ -96,6 +96,9 @@ class ProphetScheduler(PriorityScheduler):
     BLOCK_BYTES = 512 * 1024
     WARMUP_ITERATIONS = 2
     PROFILE_ITERATIONS = 5
+    #: Iterations before the first plan is in force (warm-up, profile, the one
+    #: that plans): what the bench and the simulator leave out of step times.
+    ITERATIONS_BEFORE_PLAN = WARMUP_ITERATIONS + PROFILE_ITERATIONS + 1
     DRIFT_WINDOW = 3
     DRIFT_FLOOR_NS = 1_000_000
     BLOCKS_IN_FLIGHT = 2

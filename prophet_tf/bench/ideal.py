@@ -1,54 +1,62 @@
 """The ideal step time of a run: a lower bound no scheduler can beat.
 
 For W workers and P PS tasks on links of bandwidth B (bytes/s, each
-direction), one-way latency L, and a model profile (per variable: bytes,
-forward time, backward readiness)::
+direction), one-way latency L, and a model profile (per variable i: bytes
+b_i, forward time f_i, backward readiness R_i after the forward ends)::
 
-    ideal = max(C, D / B, F + B_1 + 2·W·b_1 / B + 2·L)
+    ideal = max(C, F + max_i R_i, D(all) / B, max_i chain_i)
+    chain_i = F - F_<i + min_{j<=i} R_j + D(S_i) / B + 2·L
 
-- C: compute time of one step (forward + backward) on a worker.
-- D: bytes per step through the busiest link in one direction. Each worker
-  pushes the whole gradient M and pulls the whole model M, so a worker link
-  carries M each way; PS task p owns M_p bytes (the sharding plan) and
-  receives W·M_p and sends W·M_p. D = max(M, W·max_p M_p).
-- The first layer's critical path: its forward pass cannot start before its
-  new parameters are back, which needs the whole forward F, the backward up
-  to its gradient B_1 (the end of backprop, as the first layer's gradient is
-  the last), then its push and pull of b_1 bytes, which cross the PS's link
-  with the other W-1 workers' copies (W·b_1/B each way), plus a one-way
-  latency each way.
+- C: compute time of one step on a worker; at least the forward F (the
+  profile's, which may exceed the sum of the f_i) plus the last gradient's
+  readiness.
+- D(S): the fewest bytes the busiest link must carry in one direction per
+  step for a set of variables S of b(S) bytes, under the best placement
+  (every variable cut as finely as wanted and spread evenly):
+  - dedicated layout (PS tasks on hosts of their own): every worker pushes
+    and pulls b(S) over its own link, and the P PS links share W·b(S):
+    D(S) = max(1, W/P)·b(S);
+  - colocated layout (PS tasks on the worker hosts): of b(S), the share
+    held on a worker's own host never crosses its NIC; every host's NIC
+    carries the pushes of the remote share and its PS tasks' answers to the
+    W-1 other workers: 2·(W-1)·b(S) over W uplinks, so
+    D(S) = 2·(W-1)/W·b(S).
+- chain_i: the critical chain of variable i. Next step's forward needs the
+  new values of variables 0..i (S_i) by F_<i (the forward time before
+  variable i) after the step starts; none of their gradients exists before
+  min_{j<=i} R_j after this step's forward ends; in between, S_i's bytes
+  must cross the busiest link (pushes and pulls pipelined, partition by
+  partition, so each direction is counted once), plus a one-way latency each
+  way. For the last variable this is the whole model's link time plus the
+  last forward, so chain dominates D(all)/B; for the first it is the
+  classic "first layer waits for the whole backprop" path.
 
 Each term assumes the others away (full overlap, no per-message cost, no
-PS apply time), so the bound is optimistic; a scheduler within 15% of it
+PS apply time, partitions as small as wanted), so the bound holds for any
+scheduler, any partition size and any placement; a run within 15% of it
 leaves little on the table.
 """
 from __future__ import annotations
 
-import types
+LAYOUTS = ("colocated", "dedicated")
 
-from prophet_tf.ps import sharding
-
-__all__ = ["busiest_link_bytes", "ideal_step_time"]
+__all__ = ["LAYOUTS", "link_bytes", "ideal_step_time"]
 
 
-def _specs(profile: dict):
-    return [types.SimpleNamespace(key=i, shape=v["shape"], dtype="float32")
-            for i, v in enumerate(profile["variables"])]
-
-
-def busiest_link_bytes(profile: dict, workers: int, num_ps: int,
-                       partition_bytes: int = sharding.DEFAULT_MAX_PARTITION_BYTES) -> int:
-    """D: bytes per step over the busiest link in one direction (see module doc)."""
-    model_bytes = sum(v["nbytes"] for v in profile["variables"])
-    per_ps = [0] * num_ps
-    for p in sharding.plan(_specs(profile), num_ps, partition_bytes):
-        per_ps[p.ps_index] += p.nbytes
-    return max(model_bytes, workers * max(per_ps))
+def link_bytes(nbytes: float, workers: int, num_ps: int, layout: str) -> float:
+    """D(S): busiest-link bytes per step, one direction, for ``nbytes`` of
+    variables under the best placement (see module doc)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}. Received: layout={layout!r}")
+    if layout == "colocated":
+        return 2 * (workers - 1) / workers * nbytes
+    return max(1.0, workers / num_ps) * nbytes
 
 
 def ideal_step_time(profile: dict, workers: int, num_ps: int, bandwidth_mbit: float | None,
-                    latency_ms: float = 0.0, compute_s: float | None = None) -> dict:
-    """The ideal bound and its three terms, in seconds.
+                    latency_ms: float = 0.0, compute_s: float | None = None,
+                    layout: str = "dedicated") -> dict:
+    """The ideal bound and its terms, in seconds.
 
     Args:
       profile: a model profile (:func:`prophet_tf.bench.models.profile_model`).
@@ -58,20 +66,41 @@ def ideal_step_time(profile: dict, workers: int, num_ps: int, bandwidth_mbit: fl
       compute_s: the step's compute time C if measured otherwise (the bench
         measures it with every worker computing at once); the profile's
         forward and backward times are scaled to it. Default: the profile's.
+      layout: "dedicated" or "colocated".
 
     Returns:
-      ``{"ideal_s", "compute_s", "busiest_link_s", "first_layer_s", "busiest_link_bytes"}``.
+      ``{"ideal_s", "compute_s", "busiest_link_s", "chain_s", "chain_variable",
+      "busiest_link_bytes", "layout"}``: ``chain_s`` is the longest critical
+      chain, of variable ``chain_variable``.
     """
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
     compute = profile["compute_s"] * scale
-    forward = profile["forward_s"] * scale
-    first = profile["variables"][0]
+    variables = profile["variables"]
+    # The forward time no variable accounts for counts at the forward's end.
+    forward = max(profile["forward_s"], sum(v["forward_s"] for v in variables)) * scale
     bytes_per_s = None if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8
-    busiest = busiest_link_bytes(profile, workers, num_ps)
-    link_s = 0.0 if bytes_per_s is None else busiest / bytes_per_s
-    first_bytes = sum(v["nbytes"] for v in profile["variables"][:1])
-    transfer = 0.0 if bytes_per_s is None else 2 * workers * first_bytes / bytes_per_s
-    first_layer = forward + first["backward_ready_s"] * scale + transfer + 2 * latency_ms / 1e3
-    return {"ideal_s": max(compute, link_s, first_layer), "compute_s": compute,
-            "busiest_link_s": link_s, "first_layer_s": first_layer,
-            "busiest_link_bytes": busiest}
+
+    def link_s(nbytes: float) -> float:
+        if bytes_per_s is None:
+            return 0.0
+        return link_bytes(nbytes, workers, num_ps, layout) / bytes_per_s
+
+    model_bytes = sum(v["nbytes"] for v in variables)
+    # A one-way latency each way, unless no message leaves the host.
+    remote = layout == "dedicated" or workers > 1
+    latency = 2 * latency_ms / 1e3 if remote else 0.0
+    chain, chain_variable = 0.0, 0
+    forward_before, earliest_ready, prefix_bytes = 0.0, float("inf"), 0
+    for i, v in enumerate(variables):
+        earliest_ready = min(earliest_ready, v["backward_ready_s"] * scale)
+        prefix_bytes += v["nbytes"]
+        t = forward - forward_before + earliest_ready + link_s(prefix_bytes) + latency
+
+        if t > chain:
+            chain, chain_variable = t, i
+        forward_before += v["forward_s"] * scale
+    busiest = link_bytes(model_bytes, workers, num_ps, layout)
+    compute = max(compute, forward + max(v["backward_ready_s"] for v in variables) * scale)
+    return {"ideal_s": max(compute, link_s(model_bytes), chain), "compute_s": compute,
+            "busiest_link_s": link_s(model_bytes), "chain_s": chain,
+            "chain_variable": chain_variable, "busiest_link_bytes": busiest, "layout": layout}

@@ -1,11 +1,16 @@
 """`prophet-tf bench`: schedulers side by side on an emulated bandwidth-limited cluster.
 
     prophet-tf bench                      # the default configuration (below)
-    prophet-tf bench --model cnn --workers 2 --ps 1 --bandwidth-mbit 300 --steps 30 \\
-        --reps 5 --schedulers fifo,p3,bytescheduler,prophet,tf-mwms --json out.json
+    prophet-tf bench --model cnn --workers 2 --layout dedicated --ps 1 \\
+        --bandwidth-mbit 300 --steps 30 --reps 5 \\
+        --schedulers fifo,p3,bytescheduler,prophet,tf-mwms --json out.json
 
-Every PS task and worker runs in its own network namespace with a shaped
-link (``prophet_tf.bench.netns``); one network serves the whole invocation.
+Every host runs in its own network namespace with a shaped link
+(``prophet_tf.bench.netns``); one network serves the whole invocation. The
+layout says where PS tasks live: ``colocated`` (the default, as BytePS and
+most deployments run) puts PS task i on worker host ``i % workers``, sharing
+that host's link, with ``--ps`` = ``--workers`` unless given (a multiple of
+it); ``dedicated`` gives each PS task a host of its own (``--ps`` default 1).
 Repetitions are interleaved (rep 1: every scheduler, rep 2: every scheduler,
 ...) so that noise from the shared machine hits all of them alike. In the
 first ``--compute-reps`` reps, a ``compute`` run first profiles the model on
@@ -52,30 +57,56 @@ logger = logging.getLogger(__name__)
 
 WARMUP_STEPS = schedulers_lib.ProphetScheduler.ITERATIONS_BEFORE_PLAN
 ALL_SCHEDULERS = ("fifo", "p3", "bytescheduler", "prophet", "tf-mwms")
-#: The target configuration: the bench CNN, 2 workers, 1 PS, global batch 64,
-#: and the bandwidth at which FIFO's communication time is about its compute
-#: time (the PS link carries 2 x 4.47 MB each way per step).
-DEFAULTS = {"model": "cnn", "workers": 2, "ps": 1, "bandwidth_mbit": 200.0,
+#: The target configuration: the bench CNN, 2 workers with a PS task on each
+#: worker host, global batch 64, and 200 Mbit/s per link (each host link
+#: carries 4.47 MB each way per step, as one link of an all-reduce does).
+#: ``ps`` None: one per worker host (colocated), else 1.
+DEFAULTS = {"model": "cnn", "workers": 2, "layout": "colocated", "ps": None,
+            "bandwidth_mbit": 200.0,
             "latency_ms": 0.0, "steps": 30, "reps": 5, "global_batch": 64,
             "schedulers": ",".join(ALL_SCHEDULERS)}
-PS_PORT, WORKER_PORT = 7070, 7071  # fixed: every host has its own namespace
+# Fixed: every host has its own namespace. A host's k-th PS task listens on
+# PS_PORT + k.
+PS_PORT, WORKER_PORT = 7080, 7070
 RUN_TIMEOUT_S = 900.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _Cluster:
-    """Where tasks run: namespaces of an EmulatedNetwork, or loopback."""
+    """Where tasks run: namespaces of an EmulatedNetwork, or loopback.
 
-    def __init__(self, network: netns.EmulatedNetwork | None, num_ps: int, workers: int):
-        self.network, self.num_ps, self.workers = network, num_ps, workers
-        self._ports: list[int] = []
+    Hosts: dedicated, PS tasks 0..P-1 then workers; colocated, the workers
+    only, PS task i on host ``i % workers``.
+    """
+
+    def __init__(self, network: netns.EmulatedNetwork | None, num_ps: int, workers: int,
+                 layout: str = "dedicated"):
+        self.network, self.num_ps, self.workers, self.layout = network, num_ps, workers, layout
+
+    @staticmethod
+    def hosts(num_ps: int, workers: int, layout: str) -> int:
+        return workers if layout == "colocated" else num_ps + workers
+
+    def ps_host(self, i: int) -> int:
+        return i % self.workers if self.layout == "colocated" else i
+
+    def worker_host(self, j: int) -> int:
+        return j if self.layout == "colocated" else self.num_ps + j
+
+    def ps_port(self, i: int) -> int:
+        """The PS task's port in its namespace (0 on loopback: any free one)."""
+        per_host = i // self.workers if self.layout == "colocated" else 0
+        return PS_PORT + per_host if self.network else 0
+
+    def ps_host_address(self, i: int) -> str:
+        return self.network.addresses[self.ps_host(i)] if self.network else "127.0.0.1"
 
     def ps_address(self, i: int, port: int) -> str:
-        return f"{self.network.addresses[i]}:{PS_PORT}" if self.network else f"127.0.0.1:{port}"
+        return f"{self.ps_host_address(i)}:{port}"
 
     def worker_address(self, j: int) -> str:
         if self.network:
-            return f"{self.network.addresses[self.num_ps + j]}:{WORKER_PORT}"
+            return f"{self.network.addresses[self.worker_host(j)]}:{WORKER_PORT}"
         return f"127.0.0.1:{cluster_lib.free_port()}"
 
     def command(self, host: int, argv: list[str]) -> list[str]:
@@ -116,16 +147,15 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
         if framework == "prophet":
             for i in range(cluster.num_ps):
                 port_file = os.path.join(workdir, f"{tag}-ps{i}.port")
-                port = PS_PORT if cluster.network else 0
-                host = cluster.network.addresses[i] if cluster.network else "127.0.0.1"
-                argv = [sys.executable, "-m", "prophet_tf", "ps", "--host", host, "--port",
-                        str(port), "--num-workers", str(args.workers), "--ps-index", str(i),
+                argv = [sys.executable, "-m", "prophet_tf", "ps", "--host",
+                        cluster.ps_host_address(i), "--port", str(cluster.ps_port(i)),
+                        "--num-workers", str(args.workers), "--ps-index", str(i),
                         "--num-ps", str(cluster.num_ps), "--port-file", port_file]
                 log = open(os.path.join(workdir, f"{tag}-ps{i}.log"), "wb")
                 logs.append(log)
                 env = _env({"TF_NUM_INTEROP_THREADS": "1",
                             "PROPHET_TF_TOKEN": shape_env["PROPHET_TF_TOKEN"]})
-                procs.append(subprocess.Popen(cluster.command(i, argv), stdout=log,
+                procs.append(subprocess.Popen(cluster.command(cluster.ps_host(i), argv), stdout=log,
                                               stderr=subprocess.STDOUT, env=env))
                 ps_addresses.append((port_file, i))
             addresses = []
@@ -159,7 +189,7 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
                     str(args.global_batch), "--out", out]
             log = open(os.path.join(workdir, f"{tag}-worker{j}.log"), "wb")
             logs.append(log)
-            p = subprocess.Popen(cluster.command(cluster.num_ps + j, argv), stdout=log,
+            p = subprocess.Popen(cluster.command(cluster.worker_host(j), argv), stdout=log,
                                  stderr=subprocess.STDOUT, env=_env(extra))
             procs.append(p)
             worker_procs.append(p)
@@ -223,15 +253,19 @@ def run_bench(args, out=sys.stdout) -> dict:
     runs = {n: [] for n in ["compute"] + names}
     with tempfile.TemporaryDirectory(prefix="prophet-tf-bench-") as workdir:
         if ok:
-            network = netns.EmulatedNetwork(args.ps + args.workers, args.bandwidth_mbit,
-                                            args.latency_ms)
+            network = netns.EmulatedNetwork(
+                _Cluster.hosts(args.ps, args.workers, args.layout), args.bandwidth_mbit,
+                args.latency_ms)
         try:
             if network:
                 network.open()
-                print(f"prophet-tf bench: emulated network {network.run_id}: "
-                      f"{args.ps} PS + {args.workers} workers, {args.bandwidth_mbit:g} Mbit/s "
-                      f"per link each way, latency {args.latency_ms:g} ms", file=out, flush=True)
-            cluster = _Cluster(network, args.ps, args.workers)
+                where = (f"{args.workers} worker hosts, {args.ps} PS task(s) on them"
+                         if args.layout == "colocated" else
+                         f"{args.ps} PS + {args.workers} worker hosts")
+                print(f"prophet-tf bench: emulated network {network.run_id}: {where}, "
+                      f"{args.bandwidth_mbit:g} Mbit/s per link each way, latency "
+                      f"{args.latency_ms:g} ms", file=out, flush=True)
+            cluster = _Cluster(network, args.ps, args.workers, args.layout)
             compute_reps = min(args.reps, args.compute_reps)
             for rep in range(args.reps):
                 order = (["compute"] if rep < compute_reps else []) + names
@@ -257,8 +291,11 @@ def run_bench(args, out=sys.stdout) -> dict:
     else:
         compute_s = profile["compute_s"]
     bound = ideal_lib.ideal_step_time(profile, args.workers, args.ps, args.bandwidth_mbit,
-                                      args.latency_ms)
+                                      args.latency_ms, layout=args.layout)
     config = {"model": args.model, "workers": args.workers, "ps": args.ps,
+              "layout": args.layout,
+              "scheduler_settings": {n: scheduler_settings(n, profile, args.ps)
+                                     for n in names if n != "tf-mwms"},
               "bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms,
               "steps": args.steps, "warmup_steps": WARMUP_STEPS, "reps": args.reps,
               "global_batch": args.global_batch, "schedulers": names, "shaping": shaping,
@@ -279,16 +316,33 @@ def run_bench(args, out=sys.stdout) -> dict:
     return {"config": config, "results": results}
 
 
+def scheduler_settings(name: str, profile: dict, num_ps: int) -> dict:
+    """What a scheduler runs with in this configuration: its options, the
+    partition size the workers declare (balanced over the PS tasks), and its
+    in-flight window per link."""
+    from prophet_tf.bench import simulate  # the profile's specs, as simulated
+    from prophet_tf.engine.dispatch import Dispatch
+
+    scheduler = schedulers_lib.make_scheduler(name)
+    specs = simulate.specs_of(profile)
+    dispatch = Dispatch([s.key for s in specs], specs, num_ps, scheduler)
+    options = {k: getattr(scheduler, k) for k in scheduler.OPTIONS}
+    return {**options, "partition_bytes": dispatch.partition_bytes,
+            "partitions": len(dispatch.partitions), "window_blocks": scheduler.window_blocks,
+            "window_bytes": scheduler.window_bytes}
+
+
 def print_table(result: dict, out=sys.stdout) -> None:
     c = result["config"]
     print(f"\nmodel {c['model']} ({c['num_params']:,} parameters), {c['workers']} workers, "
-          f"{c['ps']} PS, {c['bandwidth_mbit']:g} Mbit/s, latency {c['latency_ms']:g} ms, "
+          f"{c['ps']} PS ({c.get('layout', 'dedicated')}), {c['bandwidth_mbit']:g} Mbit/s, latency {c['latency_ms']:g} ms, "
           f"global batch {c['global_batch']}, {c['steps']} steps ({c['warmup_steps']} warm-up), "
           f"{c['reps']} reps, shaping: {c['shaping']}", file=out)
     b = c["ideal"]
     print(f"compute {c['compute_s'] * 1e3:.1f} ms; ideal {b['ideal_s'] * 1e3:.1f} ms = max("
           f"compute {b['compute_s'] * 1e3:.1f}, busiest link {b['busiest_link_s'] * 1e3:.1f}, "
-          f"first layer {b['first_layer_s'] * 1e3:.1f})", file=out)
+          f"critical chain {b['chain_s'] * 1e3:.1f} of variable {b['chain_variable']})",
+          file=out)
     fifo = next((r["step_time_s"] for r in result["results"] if r["scheduler"] == "fifo"), None)
     print(f"{'scheduler':>13} {'step ms':>9} {'min-max ms':>15} {'samples/s':>10} "
           f"{'vs fifo':>8} {'vs ideal':>9}", file=out)
@@ -305,14 +359,18 @@ def _parse(argv):
     parser = argparse.ArgumentParser(
         prog="prophet-tf bench", description=__doc__.split("\n\n")[0],
         epilog=f"Defaults (the target configuration): --model {d['model']} --workers "
-               f"{d['workers']} --ps {d['ps']} --bandwidth-mbit {d['bandwidth_mbit']:g} "
+               f"{d['workers']} --layout {d['layout']} --bandwidth-mbit {d['bandwidth_mbit']:g} "
                f"--steps {d['steps']} --reps {d['reps']} --global-batch {d['global_batch']} "
                f"--schedulers {d['schedulers']}. The first {WARMUP_STEPS} steps of every run "
                "are warm-up (Prophet's 2 skipped + 5 profiled iterations, and the "
                "one that plans) and are left out for every scheduler.")
     parser.add_argument("--model", default=d["model"], choices=models.MODELS)
     parser.add_argument("--workers", type=int, default=d["workers"])
-    parser.add_argument("--ps", type=int, default=d["ps"])
+    parser.add_argument("--layout", default=d["layout"], choices=ideal_lib.LAYOUTS,
+                        help="colocated: PS tasks on the worker hosts; dedicated: hosts of "
+                             "their own (default %(default)s)")
+    parser.add_argument("--ps", type=int, default=d["ps"],
+                        help="PS tasks (default: one per worker host when colocated, else 1)")
     parser.add_argument("--bandwidth-mbit", type=float, default=d["bandwidth_mbit"],
                         help="each host link's bandwidth, each direction")
     parser.add_argument("--latency-ms", type=float, default=d["latency_ms"],
@@ -328,6 +386,12 @@ def _parse(argv):
     parser.add_argument("--timeline-dir", default=None,
                         help="keep each prophet_tf run's worker timelines here")
     args = parser.parse_args(argv)
+    if args.ps is None:
+        args.ps = args.workers if args.layout == "colocated" else 1
+    if args.layout == "colocated" and args.workers >= 1 and args.ps % args.workers:
+        parser.error(f"--layout colocated puts the same number of PS tasks on every worker "
+                     f"host: --ps must be a multiple of --workers. Received: --ps={args.ps}, "
+                     f"--workers={args.workers}")
     if args.workers < 1 or args.ps < 1 or args.reps < 1 or not args.bandwidth_mbit > 0 \
             or args.latency_ms < 0:
         parser.error(f"need --workers, --ps, --reps >= 1, --bandwidth-mbit > 0, --latency-ms "

@@ -146,21 +146,49 @@ class _Sim:
             fn()
 
 
+class _Servers:
+    """The PS tasks' versions: a partition's version k+1 exists once every
+    simulated worker's iteration-k push of it has arrived."""
+
+    def __init__(self, sim: _Sim, pushers: int):
+        self.sim, self.pushers = sim, pushers
+        self.available: dict[tuple, float] = {}  # (key, partition, version) -> time at PS
+        self._pushes: dict[tuple, int] = {}
+        self._waiting: dict[int, list[Callable]] = {}  # ps -> pulls to resume
+
+    def arrived(self, ps: int, items, at: float) -> None:
+        for item in items:
+            version = (item.key, item.partition, item.iteration + 1)
+            count = self._pushes.pop(version, 0) + 1
+            if count == self.pushers:
+                self.available[version] = at
+            else:
+                self._pushes[version] = count
+        for resume in self._waiting.pop(ps, []):
+            self.sim.at(at, resume)
+
+    def wait(self, ps: int, resume: Callable) -> None:
+        self._waiting.setdefault(ps, []).append(resume)
+
+
 class _Worker:
     """One worker's engine, compute and pulls, in virtual time."""
 
     def __init__(self, sim: _Sim, profile: dict, dispatch: Dispatch, num_ps: int,
-                 iterations: int, compute_scale: float, latency_s: float, rpc_overhead_s: float):
-        self.sim, self.dispatch = sim, dispatch
+                 iterations: int, compute_scale: float, latency_s: float, rpc_overhead_s: float,
+                 network: "_Network", servers: _Servers, index: int = 0):
+        self.sim, self.dispatch, self.servers = sim, dispatch, servers
+        self.push_links = lambda ps: network.push_links(index, ps)
+        self.pull_links = lambda ps: network.pull_links(index, ps)
         self.vars = profile["variables"]
         self.fwd = [v["forward_s"] * compute_scale for v in self.vars]
         self.ready = [v["backward_ready_s"] * compute_scale for v in self.vars]
+        # Forward time no variable's layer accounts for (inputs, loss): at its end.
+        self.forward_tail = max(0.0, profile["forward_s"] * compute_scale - sum(self.fwd))
         self.num_ps, self.iterations = num_ps, iterations
         self.latency, self.overhead = latency_s, rpc_overhead_s
         self.parts_of = dispatch.partitions_of
         self.owned = [dispatch.pull_order(i) for i in range(num_ps)]
-        self.available: dict[tuple, float] = {}  # (key, partition, version) -> time at PS
-        self.waiting_pull: dict[int, Callable] = {}  # ps -> resume when a version appears
         self.pull_queue: list[list[int]] = [[] for _ in range(num_ps)]  # versions asked for
         self.pulling = [False] * num_ps
         self.blocked = False  # the forward waits for a parameter
@@ -189,7 +217,7 @@ class _Worker:
             i, self.var = self.var, self.var + 1
             self.sim.at(self.sim.now + self.fwd[i], self._forward)
             return
-        begin = self.sim.now
+        begin = self.sim.now + self.forward_tail
         order = sorted(range(len(self.vars)), key=lambda i: (self.ready[i], -i))
         iteration = self.iteration
         for i in order:
@@ -228,15 +256,12 @@ class _Worker:
         self.pushed_bytes += nbytes
         self.dispatch.release(block)  # serialized at the start, as in the engine
         self.sim.at(start + self.overhead, lambda: self.sim.start_flow(
-            nbytes, (("w", "up"), ("ps", ps, "down")),
+            nbytes, self.push_links(ps),
             lambda: self._arrived_at_ps(block, start, ps)))
 
     def _arrived_at_ps(self, block, start: float, ps: int) -> None:
         at_ps = self.sim.now + self.latency
-        for item in block:
-            self.available[item.key, item.partition, item.iteration + 1] = at_ps
-        if ps in self.waiting_pull:
-            self.sim.at(at_ps, self.waiting_pull.pop(ps))
+        self.servers.arrived(ps, block, at_ps)
         end = at_ps + self.latency  # the response
 
         def pushed():
@@ -250,29 +275,33 @@ class _Worker:
         """One stream per PS at a time, versions in the order asked (the puller thread)."""
         if not self.pulling[ps] and self.pull_queue[ps]:
             self.pulling[ps] = True
-            self._pull(ps, self.pull_queue[ps].pop(0), 0)
+            self._pull(ps, self.pull_queue[ps].pop(0), list(self.owned[ps]))
 
-    def _pull(self, ps: int, version: int, index: int) -> None:
-        owned = self.owned[ps]
-        if index >= len(owned):
+    def _pull(self, ps: int, version: int, left: list) -> None:
+        """The PS streams each partition of ``version`` once it is applied; of
+        those applied, the most urgent first (``left`` is in priority order)."""
+        if not left:
             self.pulling[ps] = False
             self._next_pull(ps)
             return
-        p = owned[index]
-        t = self.available.get((p.key, p.partition, version))
-        if t is None or t > self.sim.now:
-            def resume(ps=ps, version=version, index=index):
-                self._pull(ps, version, index)
-            if t is None:
-                self.waiting_pull[ps] = resume
+        times = [self.servers.available.get((p.key, p.partition, version)) for p in left]
+        ready = [i for i, t in enumerate(times) if t is not None and t <= self.sim.now]
+        if not ready:
+            def resume(ps=ps, version=version, left=left):
+                self._pull(ps, version, left)
+            known = [t for t in times if t is not None]
+            if known:
+                self.sim.at(min(known), resume)
             else:
-                self.sim.at(t, resume)
+                self.servers.wait(ps, resume)
             return
+        p = left.pop(ready[0])
+
         def delivered(p=p):
             self.sim.at(self.sim.now + self.latency, lambda: self._deliver(p, version))
-            self._pull(ps, version, index + 1)
+            self._pull(ps, version, left)
         self.sim.at(self.sim.now + self.overhead, lambda: self.sim.start_flow(
-            p.nbytes, (("ps", ps, "up"), ("w", "down")), delivered))
+            p.nbytes, self.pull_links(ps), delivered))
 
     def _deliver(self, p, version: int) -> None:
         self.arrived[p.key, version] = self.arrived.get((p.key, version), 0) + 1
@@ -282,7 +311,47 @@ class _Worker:
             self._forward()
 
 
-def _specs(profile: dict):
+class _Network:
+    """The links each message crosses, by layout (see the module doc).
+
+    dedicated: PS hosts of their own; one worker is simulated and PS p's link
+    carries the W workers' identical flows, so it gets 1/W of it.
+    colocated: PS p lives on worker host ``p % W``; every worker is simulated
+    (the placement need not be symmetric), and each host has one link each
+    way. A message between two hosts crosses the sender's uplink and the
+    receiver's downlink; one within a host crosses none.
+    """
+
+    def __init__(self, layout: str, workers: int, num_ps: int, bytes_per_s: float):
+        self.layout, self.workers = layout, workers
+        #: Workers simulated: all of them when colocated, else one by symmetry.
+        self.simulated = workers if layout == "colocated" else 1
+        self.capacity = {}
+        for w in range(self.simulated):
+            self.capacity["w", w, "up"] = self.capacity["w", w, "down"] = bytes_per_s
+        if layout == "dedicated":
+            for ps in range(num_ps):
+                self.capacity["ps", ps, "up"] = bytes_per_s / workers
+                self.capacity["ps", ps, "down"] = bytes_per_s / workers
+
+    def push_links(self, worker: int, ps: int) -> tuple:
+        if self.layout == "dedicated":
+            return (("w", worker, "up"), ("ps", ps, "down"))
+        host = ps % self.workers
+        return () if host == worker else (("w", worker, "up"), ("w", host, "down"))
+
+    def pull_links(self, worker: int, ps: int) -> tuple:
+        if self.layout == "dedicated":
+            return (("ps", ps, "up"), ("w", worker, "down"))
+        host = ps % self.workers
+        return () if host == worker else (("w", host, "up"), ("w", worker, "down"))
+
+
+LAYOUTS = ideal_lib.LAYOUTS
+
+
+def specs_of(profile: dict):
+    """The variable specs of a profile, as the engine registers them (key = priority)."""
     return [types.SimpleNamespace(key=i, shape=v["shape"], dtype="float32", priority=i)
             for i, v in enumerate(profile["variables"])]
 
@@ -291,7 +360,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
              bandwidth_mbit: float | None, *, latency_ms: float = 0.0,
              iterations: int | None = None, warmup: int = WARMUP_ITERATIONS,
              compute_s: float | None = None, rpc_overhead_s: float = DEFAULT_RPC_OVERHEAD_S,
-             scheduler_options: dict | None = None) -> dict:
+             scheduler_options: dict | None = None, layout: str = "dedicated") -> dict:
     """Simulates training with one scheduler; returns step times and the ideal bound.
 
     Args:
@@ -306,6 +375,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
       compute_s: scale the profile's compute to this compute time per iteration.
       rpc_overhead_s: fixed time per message.
       scheduler_options: the scheduler's options.
+      layout: "dedicated" (PS tasks on hosts of their own) or "colocated" (PS p
+        on worker host p % W; ``num_ps`` a multiple of ``workers``).
 
     Returns:
       ``{"scheduler", "step_time_s", "step_times_s", "ideal_step_time_s", "ideal",
@@ -320,30 +391,38 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
     if bandwidth_mbit is not None and not bandwidth_mbit > 0:
         raise ValueError(f"bandwidth_mbit must be positive or None. "
                          f"Received: bandwidth_mbit={bandwidth_mbit!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}. Received: layout={layout!r}")
+    if layout == "colocated" and num_ps % workers:
+        raise ValueError(f"the colocated layout puts the same number of PS tasks on every "
+                         f"worker host, so num_ps must be a multiple of workers. Received: "
+                         f"num_ps={num_ps}, workers={workers}")
     iterations = warmup + 8 if iterations is None else iterations
     if iterations <= warmup:
         raise ValueError(f"iterations must exceed warmup. Received: iterations={iterations}, "
                          f"warmup={warmup}")
-    s = schedulers_lib.make_scheduler(scheduler, **(scheduler_options or {}))
-    specs = _specs(profile)
-    dispatch = Dispatch([spec.key for spec in specs], specs, num_ps, s)
+    specs = specs_of(profile)
     rate = math.inf if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8
-    capacity = {("w", "up"): rate, ("w", "down"): rate}
-    for ps in range(num_ps):
-        capacity["ps", ps, "up"] = capacity["ps", ps, "down"] = rate / workers
-    sim = _Sim(capacity)
+    network = _Network(layout, workers, num_ps, rate)
+    sim = _Sim(network.capacity)
+    servers = _Servers(sim, network.simulated)
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
-    worker = _Worker(sim, profile, dispatch, num_ps, iterations, scale,
-                     latency_ms / 1e3, rpc_overhead_s)
-    sim.at(0.0, worker.start)
-    sim.run(until=lambda: len(worker.starts) > iterations)
+    simulated = []
+    for index in range(network.simulated):
+        s = schedulers_lib.make_scheduler(scheduler, **(scheduler_options or {}))
+        dispatch = Dispatch([spec.key for spec in specs], specs, num_ps, s)
+        simulated.append(_Worker(sim, profile, dispatch, num_ps, iterations, scale,
+                                 latency_ms / 1e3, rpc_overhead_s, network, servers, index))
+        sim.at(0.0, simulated[-1].start)
+    worker = simulated[0]
+    sim.run(until=lambda: all(len(w.starts) > iterations for w in simulated))
     if len(worker.starts) <= iterations:
         raise RuntimeError(f"simulation of {scheduler} stalled at iteration {worker.iteration} "
                            f"(t={sim.now:.4f} s); a scheduler held items it never released")
     times = [b - a for a, b in zip(worker.starts, worker.starts[1:])]
     measured = times[warmup:iterations]
     bound = ideal_lib.ideal_step_time(profile, workers, num_ps, bandwidth_mbit, latency_ms,
-                                      compute_s)
+                                      compute_s, layout=layout)
     return {"scheduler": scheduler, "scheduler_class": f"{type(s).__module__}.{type(s).__name__}",
             "step_time_s": statistics.median(measured), "step_times_s": times,
             "ideal_step_time_s": bound["ideal_s"], "ideal": bound,

@@ -73,6 +73,9 @@ def _parse(argv):
                         help="profiled model name or a profile .json (default resnet50)")
     parser.add_argument("--workers", type=int, default=16, help="W (default 16)")
     parser.add_argument("--ps", type=int, default=4, help="PS tasks (default 4)")
+    parser.add_argument("--layout", default="dedicated", choices=simulate_lib.LAYOUTS,
+                        help="colocated: PS task i on worker host i %% W (--ps a multiple of "
+                             "--workers); dedicated: PS hosts of their own (default)")
     parser.add_argument("--bandwidth-mbit", type=float, default=10000.0,
                         help="each link's bandwidth per direction (default 10000)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency")
@@ -114,7 +117,8 @@ def validate(bench: dict, profile: dict, rpc_overhead_s: float = simulate_lib.DE
             continue
         pred = simulate_lib.simulate(profile, r["scheduler"], config["workers"], config["ps"],
                         config["bandwidth_mbit"], latency_ms=config.get("latency_ms", 0.0),
-                        rpc_overhead_s=rpc_overhead_s)
+                        rpc_overhead_s=rpc_overhead_s,
+                        layout=config.get("layout", "dedicated"))
         rows.append({"scheduler": r["scheduler"], "measured_s": r["step_time_s"],
                      "predicted_s": pred["step_time_s"],
                      "error": pred["step_time_s"] / r["step_time_s"] - 1})
@@ -167,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows = [simulate_lib.simulate(profile, n, args.workers, args.ps, args.bandwidth_mbit,
                              latency_ms=args.latency_ms, iterations=args.iterations,
-                             compute_s=args.compute_s, rpc_overhead_s=overhead) for n in names]
+                             compute_s=args.compute_s, rpc_overhead_s=overhead,
+                             layout=args.layout) for n in names]
             fifo = next((r["step_time_s"] for r in rows if r["scheduler"] == "fifo"), None)
             for r in rows:
                 r["speedup_vs_fifo"] = fifo / r["step_time_s"] if fifo else None
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                                 ("ideal s", "ideal_step_time_s", ".4f"),
                                 ("vs fifo", "speedup_vs_fifo", ".2f")])
             out = {"config": {"model": args.model, "workers": args.workers, "ps": args.ps,
+                              "layout": args.layout,
                               "bandwidth_mbit": args.bandwidth_mbit,
                               "latency_ms": args.latency_ms, "rpc_overhead_s": overhead},
                    "results": rows}

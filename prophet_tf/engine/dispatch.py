@@ -38,13 +38,16 @@ class Dispatch:
       num_ps: PS tasks, i.e. links.
       scheduler: a new scheduler (``schedulers.make_scheduler``); its
         partition size cuts the variables, as on the PS.
+      balance: with several PS tasks, lower the partition size until every
+        PS holds about the same bytes (``sharding.balanced_limit``); off for
+        optimizers that need whole variables.
 
     Raises:
       ValueError: keys and specs differ in number, or a key repeats.
     """
 
     def __init__(self, native_keys: Sequence[int], specs: Sequence, num_ps: int,
-                 scheduler: schedulers.Scheduler):
+                 scheduler: schedulers.Scheduler, balance: bool = True):
         if len(native_keys) != len(specs):
             raise ValueError(f"every trained variable needs one native key. Received: "
                              f"{len(native_keys)} keys for {len(specs)} specs")
@@ -55,6 +58,9 @@ class Dispatch:
         self.specs = list(specs)
         self.scheduler = scheduler
         self.partition_bytes = scheduler.partition_bytes or schedulers.DEFAULT_PARTITION_BYTES
+        if balance:
+            self.partition_bytes = sharding.balanced_limit(self.specs, num_ps,
+                                                           self.partition_bytes)
         self.partitions = sharding.plan(self.specs, num_ps, self.partition_bytes)
         self.partitions_of: dict[int, list[sharding.Partition]] = {}
         for p in self.partitions:

@@ -10,8 +10,8 @@ AwaitParam fails with the message instead of hanging):
 - one sender per PS task: pushes each block it is handed as one asynchronous
   RPC, at once (the dispatch's window bounds what is in flight); a finished
   push tells the dispatch (`on_sent`), which may release more.
-- one puller per PS task: streams the task's partitions of a version in
-  priority order and delivers each parameter once all its partitions are in.
+- one puller per PS task: streams the task's partitions of a version as the
+  PS applies them and delivers each parameter once all its partitions are in.
 
 The engine imports no TensorFlow: the op runtime is handed in (the worker
 passes ``prophet_tf._native``), gradients' dtypes are names, and worker 0's
@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 
 from prophet_tf import cluster as cluster_lib
-from prophet_tf import codec, progress
+from prophet_tf import codec, keras_optimizer, progress
 from prophet_tf.engine import liveness, schedulers
 from prophet_tf.engine import timeline as timeline_lib
 from prophet_tf.engine.delivery import Assembler
@@ -143,8 +143,11 @@ class Engine:
                              f"{len(variables) - 1}). Received: keys {sorted(initial_values)}")
         self._specs = specs = variable_specs(variables)
         scheduler = schedulers.make_scheduler(self.scheduler_name, **self.scheduler_options)
+        # Optimizers that need whole variables keep them whole on one PS.
+        whole = keras_optimizer.parse_config(optimizer_config)["class_name"] in \
+            keras_optimizer.WHOLE_VARIABLE
         self._dispatch = dispatch = Dispatch([v.native_key for v in variables], specs,
-                                             self.config.num_ps, scheduler)
+                                             self.config.num_ps, scheduler, balance=not whole)
         self._assembler = Assembler(self._native, dispatch)
         self._recorder = timeline_lib.Recorder(
             self.worker_id, {k: v.name for k, v in zip(dispatch.native_keys, specs)}) \
@@ -332,20 +335,28 @@ class Engine:
             self._pull_version(ps_index, version)
 
     def _pull_version(self, ps_index: int, version: int) -> None:
-        """Streams one PS's partitions of `version` in priority order and delivers them."""
+        """Pulls one PS's partitions of `version` and delivers each as it comes.
+
+        The PS sends each partition the moment it is applied (the most urgent
+        first among those ready), so they arrive in any order; each must be
+        one asked for and not yet received.
+        """
         client = self._clients[ps_index]
-        owned = self._dispatch.pull_order(ps_index)
+        owned = self._dispatch.pull_order(ps_index)  # priority order, for the request
         previous = time.monotonic_ns()
         waited_s = 0.0
         while owned:
+            left = {(p.key, p.partition): p for p in owned}
             try:
                 for chunk in client.pull(owned, version, timeout=self.rpc_timeout_s):
                     arrived = time.monotonic_ns()
-                    if not owned:
-                        raise RuntimeError(f"PS {ps_index} sent more partitions than asked for. "
-                                           f"Received: key {chunk.key} partition "
-                                           f"{chunk.partition} version {chunk.version}")
-                    expected = owned.pop(0)  # Partitions arrive in the order asked for.
+                    expected = left.pop((chunk.key, chunk.partition), None)
+                    if expected is None:
+                        raise RuntimeError(
+                            f"PS {ps_index} sent a partition not asked for, or twice. "
+                            f"Received: key {chunk.key} partition {chunk.partition} version "
+                            f"{chunk.version}; still expected {len(left)} partition(s)")
+                    owned.remove(expected)
                     if self._recorder is not None:
                         # The key asked for, not the wire's: the assembler checks that.
                         native_key = self._dispatch.native_keys[expected.key]

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import math
 import os
-import threading
 
 import grpc
 import keras
@@ -47,7 +46,6 @@ class Part:
     shape: tuple
     dtype: np.dtype
     variable: object  # keras.Variable holding rows [row_begin, row_end)
-    cond: threading.Condition
     version: int = -1  # iterations applied; -1: no initial value yet
     arrived: set = dataclasses.field(default_factory=set)  # workers in iteration `version`
     acc: np.ndarray | None = None
@@ -179,10 +177,8 @@ def _parse_optimizer_config(text: str) -> dict:
 
 
 def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
-                 max_chunk_bytes: int | None, lock: threading.Lock) -> Model:
+                 max_chunk_bytes: int | None) -> Model:
     """The model of a checked first declaration, with this PS's parts (not installed).
-
-    ``lock`` is the state lock the parts' conditions wait on.
     """
     specs = sorted(request.variables, key=lambda s: s.key)  # checked by check_request
     limit = request.max_partition_bytes or max_partition_bytes
@@ -210,11 +206,11 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
     except ValueError as e:
         raise invalid(str(e)) from None
     model = Model(specs, keras_optimizer.comparable(config), optimizer, partitions, limit)
-    model.parts = _make_parts(model, no_decay, ps_index, lock)
+    model.parts = _make_parts(model, no_decay, ps_index)
     return model
 
 
-def _make_parts(model: Model, no_decay: set, ps_index: int, lock) -> dict:
+def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
     parts = {}
     for p in sharding.owned_by(model.partitions, ps_index):
         spec = model.specs[p.key]
@@ -225,8 +221,7 @@ def _make_parts(model: Model, no_decay: set, ps_index: int, lock) -> dict:
         leaf = spec.name.rpartition("/")[2].partition(":")[0]
         variable = keras.Variable(np.zeros(shape, dtype), dtype=spec.dtype, trainable=True,
                                   name=leaf or f"variable_{p.key}")
-        parts[p.key, p.partition] = Part(spec, p, shape, dtype, variable,
-                                         threading.Condition(lock))
+        parts[p.key, p.partition] = Part(spec, p, shape, dtype, variable)
     excluded = [part.variable for part in parts.values() if part.plan.key in no_decay]
     if excluded:
         model.optimizer.exclude_from_weight_decay(var_list=excluded)

@@ -15,7 +15,8 @@ It owns the locking and wires the concerns together, each in its module:
   partition reaches a version and restored at the first Register (the one of
   the workers' ``resume_step`` when they resume from their own backup, else
   the newest);
-* pulls live here: a Pull waits, per partition, for the version it asks for.
+* pulls live here: a Pull sends each partition it names the moment that
+  partition reaches the version asked for (of those ready, the first named).
 
 Locks: ``_lock`` (the state: model definition, versions, sums, liveness) and
 the applier's lock (the optimizer and the variables). Where both are held,
@@ -97,6 +98,9 @@ class ParameterServerServicer:
         self._on_failure = on_failure
         self._checkpointer = checkpoint_lib.Checkpointer(checkpoint) if checkpoint else None
         self._lock = threading.Lock()  # model definition, versions, sums, liveness
+        # Notified when a partition gets a version, fails, or the job fails:
+        # what waiting pulls wake on.
+        self._published = threading.Condition(self._lock)
         self._model: registration.Model | None = None
         self._parts: dict[tuple[int, int], registration.Part] = {}
         # Set when the job can never make progress (a worker declared another
@@ -153,9 +157,10 @@ class ParameterServerServicer:
             self._rejections.log("Pull", request, e)
             context.abort(e.code, e.message)
         try:
-            for part in parts:
+            left = list(parts)  # in the order asked: the most urgent first
+            while left:
                 try:
-                    data = self._wait_version(part, request.min_version, context)
+                    data = self._next_applied(left, request.min_version, context)
                 except RpcError as e:
                     self._rejections.log("Pull", request, e)
                     context.abort(e.code, e.message)
@@ -176,7 +181,7 @@ class ParameterServerServicer:
             if model is None:  # validates; installs nothing yet
                 model = registration.define_model(request, self.ps_index, self.num_ps,
                                                   self.max_partition_bytes,
-                                                  self.max_chunk_bytes, self._lock)
+                                                  self.max_chunk_bytes)
                 snapshot = self._choose_checkpoint(model, request.resume_step)
             else:
                 try:
@@ -221,7 +226,7 @@ class ParameterServerServicer:
                 with self._lock:
                     part.encoded, part.version = encoded, version
                     self._count_version_locked(version)
-                    part.cond.notify_all()
+                    self._published.notify_all()
         with self._lock:
             parts = list(self._parts.values())
             version = self._start_version
@@ -272,7 +277,7 @@ class ParameterServerServicer:
             part.encoded, part.version = encoded, version
             part.arrived = set()
             complete = self._count_version_locked(version)
-            part.cond.notify_all()
+            self._published.notify_all()
         if complete and self._checkpointer and self._checkpointer.due(version):
             # Still on the apply thread: no partition moves past this version
             # until the snapshot is read.
@@ -281,7 +286,7 @@ class ParameterServerServicer:
     def _apply_failed(self, part, iteration: int, message: str) -> None:
         with self._lock:
             part.failed = message
-            part.cond.notify_all()
+            self._published.notify_all()
 
     def _count_version_locked(self, version: int) -> bool:
         """Counts a partition reaching ``version``; True when all have."""
@@ -325,31 +330,38 @@ class ParameterServerServicer:
                 parts.append(part)
         return parts
 
-    def _wait_version(self, part, min_version, context):
+    def _next_applied(self, left: list, min_version: int, context):
+        """Removes from ``left`` and returns the first partition (in ``left``'s
+        order) whose version is ``min_version`` or later, waiting until one
+        is: a pull gets each partition the moment it is applied, the most
+        urgent first among those ready. None when the client went away."""
         with self._lock:
-            while part.version < min_version:
+            while True:
+                for i, part in enumerate(left):
+                    if part.version >= min_version:
+                        return left.pop(i).encoded
                 if self._failure:
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._failure)
-                if part.failed:
-                    raise RpcError(grpc.StatusCode.INTERNAL, part.failed)
+                failed = next((part for part in left if part.failed), None)
+                if failed is not None:
+                    raise RpcError(grpc.StatusCode.INTERNAL, failed.failed)
                 gone = self._liveness.departed_before_locked(min_version)
                 if gone is not None:
                     wid, steps = gone
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"Version {min_version} of {part.name} can never be "
+                                   f"Version {min_version} of {left[0].name} can never be "
                                    f"complete: worker {wid} left the job after pushing "
                                    f"{steps} steps. Received: min_version={min_version}")
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"{part.name} is at version {part.version}, below the "
+                                   f"{left[0].name} is at version {left[0].version}, below the "
                                    f"requested one when the deadline expired. Received: "
                                    f"min_version={min_version}")
                 if not context.is_active():
                     return None
-                part.cond.wait(_PULL_POLL_SECONDS if remaining is None
-                               else min(remaining, _PULL_POLL_SECONDS))
-            return part.encoded
+                self._published.wait(_PULL_POLL_SECONDS if remaining is None
+                                     else min(remaining, _PULL_POLL_SECONDS))
 
     # ------------------------------------------------------------- liveness
 
@@ -372,8 +384,7 @@ class ParameterServerServicer:
                              name="prophet-tf-ps-on-failure").start()
 
     def _notify_all_locked(self) -> None:
-        for part in self._parts.values():
-            part.cond.notify_all()
+        self._published.notify_all()
 
     # ----------------------------------------------------------- checkpoints
 

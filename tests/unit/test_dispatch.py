@@ -17,9 +17,11 @@ def specs(*shapes):
             for i, s in enumerate(shapes)]
 
 
-def make(name="fifo", shapes=((1000,), (10, 100), ()), num_ps=2, native=(30, 10, 20), **options):
+def make(name="fifo", shapes=((1000,), (10, 100), ()), num_ps=2, native=(30, 10, 20),
+         balance=False, **options):
+    """A dispatch; unbalanced by default, so each variable is one partition."""
     return Dispatch(list(native), specs(*shapes), num_ps,
-                    schedulers.make_scheduler(name, **options))
+                    schedulers.make_scheduler(name, **options), balance=balance)
 
 
 def test_the_engine_imports_without_tensorflow():
@@ -42,7 +44,20 @@ def test_partitions_are_the_ps_sides():
     assert [len(d.partitions_of[k]) for k in range(3)] == [4, 5, 1]  # rows of 400 bytes
     second = d.partitions_of[1][1]
     assert d.byte_offset(second) == second.row_begin * 400
-    assert make().partition_bytes == schedulers.DEFAULT_PARTITION_BYTES
+    assert make(num_ps=1, balance=True).partition_bytes == schedulers.DEFAULT_PARTITION_BYTES
+
+
+def test_several_ps_tasks_get_the_model_in_even_shares():
+    # 8,004 bytes over 2 PS tasks: at most 8004 / (4 * 2) bytes per partition.
+    d = make(balance=True)
+    assert d.partition_bytes == 1001
+    loads = [sum(p.nbytes for p in d.partitions if p.ps_index == i) for i in range(2)]
+    assert max(loads) - min(loads) <= d.partition_bytes, loads
+    # Optimizers that need whole variables (Lamb, Adafactor) keep them whole.
+    whole = Dispatch([30, 10, 20], specs((1000,), (10, 100), ()), 2,
+                     schedulers.make_scheduler("fifo"), balance=False)
+    assert whole.partition_bytes == schedulers.DEFAULT_PARTITION_BYTES
+    assert [len(whole.partitions_of[k]) for k in range(3)] == [1, 1, 1]
 
 
 def test_pull_order_is_by_priority():

@@ -130,7 +130,9 @@ def pull(servicer, min_version, partitions=None, timeout=10.0, shapes=SHAPES):
         ps_pb2.KeyPartition(key=p.key, partition=p.partition) for p in partitions])
     chunks = [ps_pb2.ParameterChunk.FromString(b)
               for b in servicer.Pull(request, Context(timeout))]
-    assert [(c.key, c.partition) for c in chunks] == [(p.key, p.partition) for p in partitions]
+    # Each partition once, in any order: the PS sends each as it is applied.
+    assert sorted((c.key, c.partition) for c in chunks) == sorted(
+        (p.key, p.partition) for p in partitions)
     by_id = {(p.key, p.partition): p for p in partitions}
     out = {}
     for c in chunks:
@@ -426,6 +428,27 @@ def test_pull_waits_for_the_step_then_returns_it(ready):
     push(servicer, 1, grad_chunks(ints(1), 0))
     thread.join(10)
     assert set(result["got"][1].values()) == {1}
+
+
+def test_pull_sends_each_partition_the_moment_it_is_applied(ready):
+    # A pull names the most urgent partition first; that one's iteration-0
+    # gradients are still missing, yet the pull hands over the one that is
+    # applied at once, and the urgent one as soon as it is applied too.
+    servicer, _ = ready
+    parts = plan()
+    urgent, late = parts[0], parts[-1]
+    request = ps_pb2.PullRequest(worker_id=0, min_version=1, items=[
+        ps_pb2.KeyPartition(key=p.key, partition=p.partition) for p in (urgent, late)])
+    stream = servicer.Pull(request, Context(timeout=10))
+    for worker in (0, 1):
+        push(servicer, worker, grad_chunks(ints(worker), 0, [late]))
+    first = ps_pb2.ParameterChunk.FromString(next(stream))
+    assert (first.key, first.partition, first.version) == (late.key, late.partition, 1)
+    for worker in (0, 1):
+        push(servicer, worker, grad_chunks(ints(worker), 0, [urgent]))
+    second = ps_pb2.ParameterChunk.FromString(next(stream))
+    assert (second.key, second.partition, second.version) == (urgent.key, urgent.partition, 1)
+    assert list(stream) == []
 
 
 def test_pull_deadline(ready):

@@ -104,6 +104,26 @@ def test_balance_on_a_typical_model():
     assert min(loads) > 0.45 * sum(loads)
 
 
+def test_balanced_limit_spreads_one_dominant_kernel_over_every_ps():
+    # The bench CNN: 4.2 of its 4.5 MB in one dense kernel. At 4 MiB
+    # partitions one PS would hold 94% of it; at the balanced limit every PS
+    # holds a fair share.
+    specs = [spec(0, (3, 3, 3, 32)), spec(1, (32,)), spec(2, (3, 3, 32, 64)), spec(3, (64,)),
+             spec(4, (4096, 256)), spec(5, (256,)), spec(6, (256, 10)), spec(7, (10,))]
+    total = sum(nbytes(s) for s in specs)
+    skewed = sharding.plan(specs, 2)
+    assert max(sum(p.nbytes for p in skewed if p.ps_index == ps) for ps in range(2)) > 0.9 * total
+    for num_ps in (2, 3, 4):
+        limit = sharding.balanced_limit(specs, num_ps, sharding.DEFAULT_MAX_PARTITION_BYTES)
+        assert limit == math.ceil(total / (sharding.PIECES_PER_PS * num_ps))
+        parts = sharding.plan(specs, num_ps, limit)
+        loads = [sum(p.nbytes for p in parts if p.ps_index == ps) for ps in range(num_ps)]
+        assert max(loads) <= (1 + 1 / sharding.PIECES_PER_PS) * total / num_ps, loads
+        assert {p.ps_index for p in parts if p.key == 4} == set(range(num_ps))
+    assert sharding.balanced_limit(specs, 1, 1000) == 1000  # one PS: nothing to balance
+    assert sharding.balanced_limit(specs, 2, 1000) == 1000  # never above the given limit
+
+
 def test_owned_by_filters_in_plan_order():
     parts = sharding.plan([spec(0, (100, 10)), spec(1, (100, 10))], 2, 1000)
     owned = sharding.owned_by(parts, 1)

@@ -1,5 +1,7 @@
 """The simulator drives the engine's own dispatch and schedulers; its limits are the obvious ones."""
+import json
 import math
+import pathlib
 
 import pytest
 
@@ -41,8 +43,9 @@ def test_zero_compute_gives_bytes_over_bandwidth(name):
     partition = min(nbytes, schedulers.make_scheduler(name).partition_bytes or nbytes)
     # Pipelined by partitions: all bytes one way plus the last partition back.
     assert one_way + partition * 8 / 80e6 - 1e-9 <= r["step_time_s"] <= 2 * one_way + 1e-9
-    # The only variable is the first layer: its push and pull are the critical path.
-    assert r["ideal_step_time_s"] == pytest.approx(2 * one_way)
+    # The only variable is the first layer: its push and pull, pipelined by
+    # partitions as small as wanted, are the critical path.
+    assert r["ideal_step_time_s"] == pytest.approx(one_way)
 
 
 @pytest.mark.timeout(60)
@@ -109,14 +112,74 @@ def test_limited_bandwidth_is_slower_and_never_beats_the_ideal():
 
 @pytest.mark.timeout(60)
 def test_ideal_bound_terms():
-    b = ideal.ideal_step_time(TOY, workers=2, num_ps=1, bandwidth_mbit=100, latency_ms=1.0)
     total = sum(v["nbytes"] for v in TOY["variables"])
-    assert b["busiest_link_bytes"] == 2 * total
+    b = ideal.ideal_step_time(TOY, workers=2, num_ps=1, bandwidth_mbit=100, latency_ms=1.0)
+    assert b["busiest_link_bytes"] == 2 * total  # one PS link carries both workers
     assert b["busiest_link_s"] == pytest.approx(2 * total * 8 / 100e6)
-    assert b["first_layer_s"] == pytest.approx(
-        TOY["forward_s"] + 0.08 + 2 * 2 * 40_000 * 8 / 100e6 + 0.002)
-    assert b["ideal_s"] == max(b["compute_s"], b["busiest_link_s"], b["first_layer_s"])
+    # The longest chain is variable 2's: its forward and the next one's, the
+    # earliest readiness among variables 0-2, their bytes over the busiest
+    # link, a latency each way (variable 3's adds 40 kB but 13 ms less compute).
+    assert b["chain_variable"] == 2
+    assert b["chain_s"] == pytest.approx(
+        0.006 + 0.01 + 2 * (total - 40_000) * 8 / 100e6 + 0.002)
+    assert b["ideal_s"] == max(b["compute_s"], b["busiest_link_s"], b["chain_s"])
+    # Enough PS tasks: each worker's own link is the limit; colocated: each
+    # host carries the remote share of its pushes plus its PS's answers.
+    assert ideal.ideal_step_time(TOY, 2, 2, 100)["busiest_link_bytes"] == total
+    colocated = ideal.ideal_step_time(TOY, 4, 4, 100, layout="colocated")
+    assert colocated["busiest_link_bytes"] == pytest.approx(2 * 3 / 4 * total)
+    assert ideal.ideal_step_time(TOY, 1, 1, 100, latency_ms=5,
+                                 layout="colocated")["ideal_s"] == TOY["compute_s"]
     assert ideal.ideal_step_time(TOY, 2, 1, None)["ideal_s"] == TOY["compute_s"]
+    with pytest.raises(ValueError, match="layout.*'ring'"):
+        ideal.ideal_step_time(TOY, 2, 1, 100, layout="ring")
+
+
+@pytest.mark.timeout(600)
+def test_no_simulation_beats_the_ideal_bound():
+    """Over models, layouts, worker counts and bandwidths, every scheduler's
+    simulated step time is at or above the bound (a bound that is beaten is
+    no bound)."""
+    profiles = pathlib.Path(simulate.__file__).parent / "profiles"
+    cnn = json.loads((profiles / "cnn.json").read_text())
+    for profile, compute_s in [(TOY, None), (cnn, 0.04)]:
+        for layout, workers, num_ps in [("dedicated", 2, 1), ("dedicated", 2, 2),
+                                        ("dedicated", 4, 1), ("colocated", 2, 2),
+                                        ("colocated", 3, 3), ("colocated", 2, 4)]:
+            for bandwidth in (100, 1000, 10000):
+                for name in NAMES:
+                    r = simulate.simulate(profile, name, workers, num_ps, bandwidth,
+                                          compute_s=compute_s, layout=layout, iterations=12)
+                    assert r["step_time_s"] >= r["ideal_step_time_s"] * (1 - 1e-9), (
+                        name, layout, workers, num_ps, bandwidth, r["step_time_s"],
+                        r["ideal"])
+
+
+@pytest.mark.timeout(60)
+def test_colocated_layout_halves_the_dedicated_ps_links_load():
+    # Two workers, one big variable, no compute: a dedicated PS link carries
+    # both workers' bytes, a colocated host only the remote half of its pushes
+    # plus its PS's answers to the other worker: one worker's link's bytes in
+    # an all-reduce.
+    p = _profile([4_000_000], [0.0], [0.0])
+    dedicated = simulate.simulate(p, "p3", 2, 1, 80, rpc_overhead_s=0.0)
+    colocated = simulate.simulate(p, "p3", 2, 2, 80, rpc_overhead_s=0.0, layout="colocated")
+    assert colocated["step_time_s"] < 0.6 * dedicated["step_time_s"]
+    assert colocated["step_time_s"] >= colocated["ideal_step_time_s"] * (1 - 1e-9)
+    with pytest.raises(ValueError, match="num_ps=3, workers=2"):
+        simulate.simulate(p, "p3", 2, 3, 80, layout="colocated")
+
+
+@pytest.mark.timeout(60)
+def test_pulls_take_each_partition_as_it_is_applied():
+    # The first layer's gradient is ready last. With pulls in strict priority
+    # order every other parameter would wait behind it; as-applied pulls let
+    # the late layer's values come back while backprop still runs.
+    p = _profile([40_000, 4_000_000], [0.001, 0.001], [0.2, 0.001])
+    r = simulate.simulate(p, "p3", 1, 1, 80, rpc_overhead_s=0.0)
+    pull_after_backprop = 0.002 + 0.2 + (40_000 + 4_000_000) * 8 / 80e6
+    assert r["step_time_s"] < pull_after_backprop - 0.05
+    assert r["step_time_s"] >= r["ideal_step_time_s"] * (1 - 1e-9)
 
 
 @pytest.mark.timeout(60)

@@ -240,11 +240,13 @@ class ProphetScheduler(PriorityScheduler):
             if not heap or not self.windows[link].open:
                 continue
             by_urgency = (plan is None or self._final or self._flushing
-                          or heap[0][-1].iteration < self._iter)
+                          or len(plan.bursts) == 1 or heap[0][-1].iteration < self._iter)
             if by_urgency:
                 block = self._urgent_block(link, heap)
             elif self._arrived >= 0:
                 block = self._gap_block(link, heap, now_ns)
+            elif not self.windows[link].blocks:
+                block = self._idle_link_block(heap)  # before the first burst
             else:
                 continue
             if block:
@@ -292,16 +294,21 @@ class ProphetScheduler(PriorityScheduler):
             total += item.nbytes
         if not block:
             # Alone, one item may overrun the budget: at the burst's arrival (so
-            # nothing stalls), and on an idle link when at least half of it fits
-            # (its end is then nearer the deadline than leaving the link idle).
+            # nothing stalls), and on an idle link (an idle link gains nothing
+            # from waiting: the item would only start later).
             arrival = link not in self._arrival_sent
-            if not arrival and (inflight or heap[0][-1].nbytes > 2 * budget):
+            if not arrival and inflight:
                 return None
             if not window.fits(heap[0][-1].nbytes):
                 return None
             block = [heapq.heappop(heap)[-1]]
         self._arrival_sent.add(link)
         return self._start(block)
+
+    def _idle_link_block(self, heap: list) -> list[ReadyItem]:
+        """The most urgent ready item, alone: a link is never left idle while
+        items wait, not even before the first burst has fully arrived."""
+        return self._start([heapq.heappop(heap)[-1]])
 
     def on_sent(self, block: Sequence[ReadyItem], start_ns: int, end_ns: int) -> None:
         if not block:

@@ -1,13 +1,15 @@
 """Worker for the overlap and scheduling tests: fits an MLP for a few steps.
 
 Usage: python mlp_worker.py OUT_PREFIX STEPS [--inputs N] [--units A,B,...]
-           [--batch GLOBAL] [--optimizer sgd|adam] [--backward-delay-ms MS]
+           [--batch GLOBAL] [--optimizer sgd|adam] [--backward-delay-ms MS] [--single]
 Writes OUT_PREFIX.<worker>.npz: the final weights (arr_0...), the scheduler's
 name, the variables' op-library keys in forward order, and with --stamps the
-op-library stamps. The scheduler and the timeline come from the environment (prophet-tf
+op-library stamps. With --single it trains the same model on the same data in
+one process with plain Keras (the reference) and writes OUT_PREFIX.single.npz. The scheduler and the timeline come from the environment (prophet-tf
 launch --scheduler; PROPHET_TF_TIMELINE).
 """
 import argparse
+import contextlib
 import os
 import time
 
@@ -56,14 +58,16 @@ def main():
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     parser.add_argument("--backward-delay-ms", type=float, default=0.0,
                         help="the first layer's gradient becomes ready this much later")
+    parser.add_argument("--single", action="store_true",
+                        help="plain single-process Keras: the reference weights")
     parser.add_argument("--stamps", action="store_true",
                         help="save (and so take) the stamps; the timeline then has none")
     args = parser.parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
     keras.utils.set_random_seed(0)
-    strategy = prophet_tf.Strategy()
-    with strategy.scope():
+    strategy = None if args.single else prophet_tf.Strategy()
+    with strategy.scope() if strategy else contextlib.nullcontext():
         layers = [keras.layers.Dense(int(units), activation="relu")
                   for units in args.units.split(",")] + [keras.layers.Dense(10)]
         if args.backward_delay_ms:
@@ -78,6 +82,9 @@ def main():
     y = rng.integers(0, 10, size=args.steps * args.batch)
     model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
     weights = model.get_weights()  # Waits for the last step's parameters.
+    if strategy is None:
+        np.savez(f"{args.out_prefix}.single.npz", *weights)
+        return
     keys = [v.value.native_key for v in model.trainable_variables]  # Forward order.
     extra = {"stamps": _native.drain_stamps()} if args.stamps else {}
     np.savez(f"{args.out_prefix}.{strategy.worker_index}.npz", *weights,

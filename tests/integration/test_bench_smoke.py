@@ -14,17 +14,26 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
     before = set(netns.list_ours()) if netns.available()[0] else set()
     out = tmp_path / "bench.json"
     proc = run_prophet(
-        "bench", "--model", "cnn", "--workers", "2", "--ps", "1",
+        "bench", "--model", "cnn", "--workers", "2",
         "--bandwidth-mbit", str(BANDWIDTH_MBIT), "--steps", "9", "--reps", "1",
         "--compute-reps", "0", "--schedulers", "fifo,prophet", "--json", str(out),
         env=child_env(), cwd=tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     config = result["config"]
-    for key in ("model", "workers", "ps", "bandwidth_mbit", "latency_ms", "steps", "reps",
-                "warmup_steps", "global_batch", "shaping", "compute_s", "ideal"):
+    for key in ("model", "workers", "ps", "layout", "bandwidth_mbit", "latency_ms", "steps",
+                "reps", "warmup_steps", "global_batch", "shaping", "compute_s", "ideal",
+                "scheduler_settings"):
         assert key in config, key
-    assert config["workers"] == 2 and config["ps"] == 1 and config["warmup_steps"] == 8
+    # The default layout: a PS task on each worker host.
+    assert config["layout"] == "colocated" and config["ideal"]["layout"] == "colocated"
+    assert config["workers"] == 2 and config["ps"] == 2 and config["warmup_steps"] == 8
+    # What each scheduler ran with: the partition size both PS tasks were
+    # declared (balanced: the 4 MiB dense kernel is cut over both).
+    settings = config["scheduler_settings"]
+    assert sorted(settings) == ["fifo", "prophet"]
+    assert settings["prophet"]["window_blocks"] == 2
+    assert settings["fifo"]["partition_bytes"] < config["model_bytes"] / 2
     assert [r["scheduler"] for r in result["results"]] == ["fifo", "prophet"]
     # Bytes each step must cross the busiest shaped link, one direction.
     if config["shaping"] == "netns":

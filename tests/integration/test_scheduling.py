@@ -1,6 +1,7 @@
 """Scheduling changes when bytes move, never what is computed; and the timeline shows it."""
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -16,13 +17,25 @@ STEPS = 12  # Prophet plans after 2 warm-up and 5 profiled iterations.
 def _run(tmp_path, scheduler, monkeypatch):
     prefix = str(tmp_path / scheduler)
     monkeypatch.setenv("PROPHET_TF_TIMELINE", str(tmp_path / f"timeline-{scheduler}"))
-    assert launch([sys.executable, WORKER, prefix, str(STEPS)], num_workers=2, num_ps=1,
+    # Two PS tasks: the sharding spreads the MLP's kernels over both in row
+    # ranges, so every scheduler's partitions and blocks are exercised.
+    assert launch([sys.executable, WORKER, prefix, str(STEPS)], num_workers=2, num_ps=2,
                   scheduler=scheduler) == 0
     runs = [np.load(f"{prefix}.{i}.npz") for i in range(2)]
     assert all(str(r["scheduler"]) == scheduler for r in runs)
     weights = [[r[f"arr_{k}"] for k in range(sum(f.startswith("arr_") for f in r.files))]
                for r in runs]
     return weights, tmp_path / f"timeline-{scheduler}"
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """Plain single-process Keras on the same model, data and global batch."""
+    prefix = str(tmp_path_factory.mktemp("single") / "mlp")
+    subprocess.run([sys.executable, WORKER, prefix, str(STEPS), "--single"], check=True,
+                   timeout=300)
+    r = np.load(f"{prefix}.single.npz")
+    return [r[f"arr_{k}"] for k in range(len(r.files))]
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +48,16 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-def test_every_scheduler_trains_to_the_same_weights(runs):
+def test_every_scheduler_trains_to_the_same_weights(runs, single):
     reference, _ = runs["fifo"]
     for scheduler, (weights, _) in runs.items():
         for worker in weights:
-            assert len(worker) == len(reference[0])
-            for got, want in zip(worker, reference[0]):
-                # Two workers' sums commute exactly, so the weights are equal to the bit.
+            assert len(worker) == len(reference[0]) == len(single)
+            for got, want, alone in zip(worker, reference[0], single):
+                # Two workers' sums commute exactly, so the weights are equal to the bit,
                 np.testing.assert_array_equal(got, want, err_msg=scheduler)
+                # and equal single-process Keras up to float summation order.
+                np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5, err_msg=scheduler)
 
 
 @pytest.mark.timeout(600)

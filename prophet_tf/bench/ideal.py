@@ -31,6 +31,13 @@ b_i, forward time f_i, backward readiness R_i after the forward ends)::
   last forward, so chain dominates D(all)/B; for the first it is the
   classic "first layer waits for the whole backprop" path.
 
+B is the payload bandwidth: a link of R bits/s carries R / 8 / f bytes of
+messages, where f = :data:`TCP_FRAMING` = 1514 / 1448 for TCP over Ethernet
+with a 1500-byte MTU (each segment of 1448 payload bytes, with TCP
+timestamps, goes out with 66 bytes of TCP, IP and Ethernet headers, which a
+shaper such as ``tc tbf`` counts). ACKs of the reverse direction's data are
+left out (receive offloads make them fewer), so the bound stays a bound.
+
 Each term assumes the others away (full overlap, no per-message cost, no
 PS apply time, partitions as small as wanted), so the bound holds for any
 scheduler, any partition size and any placement; a run within 15% of it
@@ -39,8 +46,15 @@ leaves little on the table.
 from __future__ import annotations
 
 LAYOUTS = ("colocated", "dedicated")
+#: Wire bytes per payload byte of TCP over Ethernet, MTU 1500 (module doc).
+TCP_FRAMING = 1514 / 1448
 
-__all__ = ["LAYOUTS", "link_bytes", "ideal_step_time"]
+__all__ = ["LAYOUTS", "TCP_FRAMING", "link_bytes", "payload_bytes_per_s", "ideal_step_time"]
+
+
+def payload_bytes_per_s(bandwidth_mbit: float | None, framing: float = TCP_FRAMING):
+    """Message bytes per second through a link of ``bandwidth_mbit`` (None: unlimited)."""
+    return None if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8 / framing
 
 
 def link_bytes(nbytes: float, workers: int, num_ps: int, layout: str) -> float:
@@ -55,7 +69,7 @@ def link_bytes(nbytes: float, workers: int, num_ps: int, layout: str) -> float:
 
 def ideal_step_time(profile: dict, workers: int, num_ps: int, bandwidth_mbit: float | None,
                     latency_ms: float = 0.0, compute_s: float | None = None,
-                    layout: str = "dedicated") -> dict:
+                    layout: str = "dedicated", framing: float = TCP_FRAMING) -> dict:
     """The ideal bound and its terms, in seconds.
 
     Args:
@@ -67,6 +81,8 @@ def ideal_step_time(profile: dict, workers: int, num_ps: int, bandwidth_mbit: fl
         measures it with every worker computing at once); the profile's
         forward and backward times are scaled to it. Default: the profile's.
       layout: "dedicated" or "colocated".
+      framing: wire bytes per message byte (1.0 where the shaper counts
+        message bytes, as the transport's token bucket does).
 
     Returns:
       ``{"ideal_s", "compute_s", "busiest_link_s", "chain_s", "chain_variable",
@@ -78,7 +94,7 @@ def ideal_step_time(profile: dict, workers: int, num_ps: int, bandwidth_mbit: fl
     variables = profile["variables"]
     # The forward time no variable accounts for counts at the forward's end.
     forward = max(profile["forward_s"], sum(v["forward_s"] for v in variables)) * scale
-    bytes_per_s = None if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8
+    bytes_per_s = payload_bytes_per_s(bandwidth_mbit, framing)
 
     def link_s(nbytes: float) -> float:
         if bytes_per_s is None:
@@ -103,4 +119,5 @@ def ideal_step_time(profile: dict, workers: int, num_ps: int, bandwidth_mbit: fl
     compute = max(compute, forward + max(v["backward_ready_s"] for v in variables) * scale)
     return {"ideal_s": max(compute, link_s(model_bytes), chain), "compute_s": compute,
             "busiest_link_s": link_s(model_bytes), "chain_s": chain,
-            "chain_variable": chain_variable, "busiest_link_bytes": busiest, "layout": layout}
+            "chain_variable": chain_variable, "busiest_link_bytes": busiest, "layout": layout,
+            "framing": framing}

@@ -137,8 +137,9 @@ def _stop(procs) -> None:
             p.wait(10)
 
 
-def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: dict) -> dict:
-    """One training run; returns the workers' reports."""
+def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: dict,
+              options: dict | None = None) -> dict:
+    """One training run (``options``: the scheduler's); returns the workers' reports."""
     tag = f"{scheduler}-{time.monotonic_ns()}"
     logs, procs = [], []
     try:
@@ -180,7 +181,8 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             extra = {"TF_CONFIG": json.dumps({"cluster": spec,
                                               "task": {"type": "worker", "index": j}})}
             if framework == "prophet":
-                extra["PROPHET_TF_SCHEDULER"] = scheduler
+                extra["PROPHET_TF_SCHEDULER"] = scheduler + (
+                    ":" + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
                 extra.update(shape_env)
                 if args.timeline_dir:
                     extra["PROPHET_TF_TIMELINE"] = os.path.join(args.timeline_dir, tag)
@@ -251,6 +253,8 @@ def run_bench(args, out=sys.stdout) -> dict:
               f"PROPHET_TF_SHAPE_MBIT={args.bandwidth_mbit}); PS links are not shared and "
               f"tf-mwms is unshaped", file=out, flush=True)
     runs = {n: [] for n in ["compute"] + names}
+    options: dict[str, dict] = {}  # scheduler -> its tuned options
+    search: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="prophet-tf-bench-") as workdir:
         if ok:
             network = netns.EmulatedNetwork(
@@ -270,8 +274,13 @@ def run_bench(args, out=sys.stdout) -> dict:
             for rep in range(args.reps):
                 order = (["compute"] if rep < compute_reps else []) + names
                 for name in order:
+                    if name == "bytescheduler" and "bytescheduler" not in options:
+                        options["bytescheduler"], search = _tune_bytescheduler(
+                            args, runs["compute"], profile,
+                            "netns" if network else "transport", out)
                     t0 = time.monotonic()
-                    result = _run_once(cluster, name, args, workdir, shape_env)
+                    result = _run_once(cluster, name, args, workdir, shape_env,
+                                       options.get(name))
                     step = (statistics.fmean(r["profile"]["compute_s"] for r in result["reports"])
                             if name == "compute" else
                             _run_step_time(result["reports"], WARMUP_STEPS))
@@ -290,12 +299,16 @@ def run_bench(args, out=sys.stdout) -> dict:
         compute_s = profile["compute_s"]
     else:
         compute_s = profile["compute_s"]
+    # The namespaces' tbf counts TCP/IP headers; the transport's bucket does not.
+    framing = ideal_lib.TCP_FRAMING if shaping == "netns" else 1.0
     bound = ideal_lib.ideal_step_time(profile, args.workers, args.ps, args.bandwidth_mbit,
-                                      args.latency_ms, layout=args.layout)
+                                      args.latency_ms, layout=args.layout, framing=framing)
     config = {"model": args.model, "workers": args.workers, "ps": args.ps,
               "layout": args.layout,
-              "scheduler_settings": {n: scheduler_settings(n, profile, args.ps)
+              "scheduler_settings": {n: scheduler_settings(n, profile, args.ps,
+                                                           options.get(n))
                                      for n in names if n != "tf-mwms"},
+              "bytescheduler_search": search,
               "bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms,
               "steps": args.steps, "warmup_steps": WARMUP_STEPS, "reps": args.reps,
               "global_batch": args.global_batch, "schedulers": names, "shaping": shaping,
@@ -316,14 +329,32 @@ def run_bench(args, out=sys.stdout) -> dict:
     return {"config": config, "results": results}
 
 
-def scheduler_settings(name: str, profile: dict, num_ps: int) -> dict:
+def _tune_bytescheduler(args, compute_runs: list, profile: dict, shaping: str,
+                        out) -> tuple[dict, list]:
+    """ByteScheduler's partition size and credit for this configuration
+    (``tuning.py``), from this bench's measured profile when it has one."""
+    from prophet_tf.bench import tuning
+
+    if compute_runs:
+        profile = compute_runs[0]["reports"][0]["profile"]
+    chosen, rows = tuning.tune_bytescheduler(
+        profile, args.workers, args.ps, args.bandwidth_mbit, latency_ms=args.latency_ms,
+        layout=args.layout, framing=ideal_lib.TCP_FRAMING if shaping == "netns" else 1.0)
+    print(f"prophet-tf bench: bytescheduler tuned over {len(rows)} settings (simulated): "
+          f"partition_bytes={chosen['partition_bytes']}, credit_bytes={chosen['credit_bytes']}",
+          file=out, flush=True)
+    return chosen, rows
+
+
+def scheduler_settings(name: str, profile: dict, num_ps: int,
+                       options: dict | None = None) -> dict:
     """What a scheduler runs with in this configuration: its options, the
     partition size the workers declare (balanced over the PS tasks), and its
     in-flight window per link."""
     from prophet_tf.bench import simulate  # the profile's specs, as simulated
     from prophet_tf.engine.dispatch import Dispatch
 
-    scheduler = schedulers_lib.make_scheduler(name)
+    scheduler = schedulers_lib.make_scheduler(name, **(options or {}))
     specs = simulate.specs_of(profile)
     dispatch = Dispatch([s.key for s in specs], specs, num_ps, scheduler)
     options = {k: getattr(scheduler, k) for k in scheduler.OPTIONS}

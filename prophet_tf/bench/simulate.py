@@ -360,7 +360,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
              bandwidth_mbit: float | None, *, latency_ms: float = 0.0,
              iterations: int | None = None, warmup: int = WARMUP_ITERATIONS,
              compute_s: float | None = None, rpc_overhead_s: float = DEFAULT_RPC_OVERHEAD_S,
-             scheduler_options: dict | None = None, layout: str = "dedicated") -> dict:
+             scheduler_options: dict | None = None, layout: str = "dedicated",
+             framing: float = ideal_lib.TCP_FRAMING) -> dict:
     """Simulates training with one scheduler; returns step times and the ideal bound.
 
     Args:
@@ -377,6 +378,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
       scheduler_options: the scheduler's options.
       layout: "dedicated" (PS tasks on hosts of their own) or "colocated" (PS p
         on worker host p % W; ``num_ps`` a multiple of ``workers``).
+      framing: wire bytes per message byte (``ideal.TCP_FRAMING``: TCP
+        headers; 1.0 for a shaper that counts message bytes).
 
     Returns:
       ``{"scheduler", "step_time_s", "step_times_s", "ideal_step_time_s", "ideal",
@@ -402,7 +405,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
         raise ValueError(f"iterations must exceed warmup. Received: iterations={iterations}, "
                          f"warmup={warmup}")
     specs = specs_of(profile)
-    rate = math.inf if bandwidth_mbit is None else bandwidth_mbit * 1e6 / 8
+    rate = ideal_lib.payload_bytes_per_s(bandwidth_mbit, framing) or math.inf
     network = _Network(layout, workers, num_ps, rate)
     sim = _Sim(network.capacity)
     servers = _Servers(sim, network.simulated)
@@ -422,7 +425,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
     times = [b - a for a, b in zip(worker.starts, worker.starts[1:])]
     measured = times[warmup:iterations]
     bound = ideal_lib.ideal_step_time(profile, workers, num_ps, bandwidth_mbit, latency_ms,
-                                      compute_s, layout=layout)
+                                      compute_s, layout=layout, framing=framing)
     return {"scheduler": scheduler, "scheduler_class": f"{type(s).__module__}.{type(s).__name__}",
             "step_time_s": statistics.median(measured), "step_times_s": times,
             "ideal_step_time_s": bound["ideal_s"], "ideal": bound,

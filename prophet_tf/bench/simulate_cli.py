@@ -118,7 +118,8 @@ def validate(bench: dict, profile: dict, rpc_overhead_s: float = simulate_lib.DE
         pred = simulate_lib.simulate(profile, r["scheduler"], config["workers"], config["ps"],
                         config["bandwidth_mbit"], latency_ms=config.get("latency_ms", 0.0),
                         rpc_overhead_s=rpc_overhead_s,
-                        layout=config.get("layout", "dedicated"))
+                        layout=config.get("layout", "dedicated"),
+                        framing=config.get("ideal", {}).get("framing", 1.0))
         rows.append({"scheduler": r["scheduler"], "measured_s": r["step_time_s"],
                      "predicted_s": pred["step_time_s"],
                      "error": pred["step_time_s"] / r["step_time_s"] - 1})

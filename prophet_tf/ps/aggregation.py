@@ -10,8 +10,12 @@ Iteration rules for a partition at ``version`` v (v optimizer updates applied):
   FAILED_PRECONDITION;
 * duplicates are ignored and counted in ``PushResponse.duplicates``.
 
-A request is checked completely (:func:`check_push`) before anything changes
-(:func:`add`); any error rejects all of it. A gradient holding a NaN or an Inf
+A request is checked completely before anything changes (:func:`add`); any
+error rejects all of it. The checks of its content (:func:`check_content`:
+partitions, dtypes, sizes, NaN/Inf, learning rate) read nothing that changes
+after the model is installed, so they run outside the servicer's state lock
+and a large push's scan holds up no other RPC; only the iteration rules
+(:func:`check_iterations`) need the lock. A gradient holding a NaN or an Inf
 is such an error (INVALID_ARGUMENT naming the variable, partition and
 iteration): summed in, it would poison the parameters for good, so training
 fails at once instead.
@@ -36,7 +40,7 @@ from prophet_tf.ps import registration
 from prophet_tf.ps.errors import RpcError, invalid, precondition
 from prophet_tf.ps.v1 import ps_pb2
 
-__all__ = ["SUM_DTYPES", "check_push", "add"]
+__all__ = ["SUM_DTYPES", "check_content", "check_iterations", "add"]
 
 SUM_DTYPES = {"float16": np.float32, "bfloat16": np.float32,
               "float32": np.float32, "float64": np.float64}
@@ -47,33 +51,67 @@ _NON_FINITE_BITS = {codec.to_numpy_dtype("float16"): np.uint16(0x7C00),
                     codec.to_numpy_dtype("bfloat16"): np.uint16(0x7F80)}
 
 
-def check_push(request, model: registration.Model, parts: dict, ps_index: int):
-    """Checks every chunk of a push from a valid worker; changes nothing.
+def check_content(request, model: registration.Model, parts: dict, ps_index: int):
+    """Checks what a push carries; reads no state that changes, so no lock.
 
-    Called under the state lock.
+    ``parts`` is the installed model's partitions (fixed once installed).
 
     Returns:
-        ``(accepted, learning_rate)``: ``[(part, iteration, array)]`` with
-        ``array`` None for a duplicate, and the push's learning rate or None.
+        ``(chunks, learning_rate)``: ``[(part, iteration, array)]`` (arrays
+        are views of the request) and the push's learning rate or None.
 
     Raises:
         RpcError: the push must be rejected as a whole.
     """
     wid = request.worker_id
-    accepted, seen = [], set()
+    chunks = []
     for c in request.chunks:
         part = parts.get((c.key, c.partition))
         if part is None:
             raise registration.not_found(model, c.key, c.partition, ps_index)
         array = registration.check_chunk_bytes(part, c, "gradient")
+        step = c.step
+        if not _all_finite(array):
+            # Summed in, one NaN would poison the parameters for good.
+            raise invalid(f"Gradient of {part.name} at step {step} has "
+                          f"{_non_finite_count(array)} NaN or "
+                          f"Inf values (of {array.size}); the whole push is rejected "
+                          f"and nothing of it was summed. Received: worker_id={wid}, "
+                          f"step={step}")
+        chunks.append((part, step, array))
+    learning_rate = _learning_rate_of(request)
+    if learning_rate is not None:
+        if not math.isfinite(learning_rate) or learning_rate < 0:
+            raise invalid("learning_rate must be a finite number >= 0. "
+                          f"Received: learning_rate={learning_rate}")
+        if isinstance(model.optimizer._learning_rate,
+                      keras.optimizers.schedules.LearningRateSchedule):
+            raise invalid("The optimizer's learning rate is a schedule; a worker "
+                          f"cannot set it. Received: learning_rate={learning_rate}")
+    return chunks, learning_rate
+
+
+def check_iterations(chunks: list, worker_id: int) -> list:
+    """Applies the iteration rules to checked chunks; changes nothing. Under
+    the state lock (versions and arrivals change under it).
+
+    Returns:
+        ``[(part, iteration, array)]`` with ``array`` None for a duplicate.
+
+    Raises:
+        RpcError: the push must be rejected as a whole.
+    """
+    accepted, seen = [], set()
+    for part, step, array in chunks:
         if part.failed:
             raise RpcError(grpc.StatusCode.INTERNAL, part.failed)
-        v, step = part.version, c.step
+        v = part.version
         if v < 0:
             raise precondition(f"{part.name} has no initial value yet (worker 0 "
                                f"sends it at Register). Received: step={step}")
+        key = (part.plan.key, part.plan.partition)
         if step == v:
-            duplicate = wid in part.arrived or (c.key, c.partition) in seen
+            duplicate = worker_id in part.arrived or key in seen
         elif step == v - 1:
             duplicate = True
         elif step < v:
@@ -84,25 +122,9 @@ def check_push(request, model: registration.Model, parts: dict, ps_index: int):
             raise precondition(f"Gradient of {part.name} is too far ahead: the "
                                f"partition is at version {v}, accepting step {v}. "
                                f"Received: step={step}")
-        if not _all_finite(array):
-            # Summed in, one NaN would poison the parameters for good.
-            raise invalid(f"Gradient of {part.name} at step {step} has "
-                          f"{_non_finite_count(array)} NaN or "
-                          f"Inf values (of {array.size}); the whole push is rejected "
-                          f"and nothing of it was summed. Received: worker_id={wid}, "
-                          f"step={step}")
-        seen.add((c.key, c.partition))
+        seen.add(key)
         accepted.append((part, step, None if duplicate else array))
-    learning_rate = _learning_rate_of(request)
-    if learning_rate is not None:
-        if not math.isfinite(learning_rate) or learning_rate < 0:
-            raise invalid("learning_rate must be a finite number >= 0. "
-                          f"Received: learning_rate={learning_rate}")
-        if isinstance(model.optimizer._learning_rate,
-                      keras.optimizers.schedules.LearningRateSchedule):
-            raise invalid("The optimizer's learning rate is a schedule; a worker "
-                          f"cannot set it. Received: learning_rate={learning_rate}")
-    return accepted, learning_rate
+    return accepted
 
 
 def add(accepted: list, worker_id: int, num_workers: int) -> tuple[list, int]:

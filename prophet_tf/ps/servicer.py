@@ -256,11 +256,16 @@ class ParameterServerServicer:
             raise invalid("A push carries at least one gradient chunk. "
                           f"Received: 0 chunks from worker_id={wid}")
         with self._lock:
-            if self._model is None:
-                raise precondition("No model is registered on this PS yet; call Register "
-                                   f"first. Received: Push from worker_id={wid}")
-            accepted, learning_rate = aggregation.check_push(request, self._model,
-                                                             self._parts, self.ps_index)
+            model, parts = self._model, self._parts
+        if model is None:
+            raise precondition("No model is registered on this PS yet; call Register "
+                               f"first. Received: Push from worker_id={wid}")
+        # The content checks (sizes, NaN/Inf scan) need no lock: the model's
+        # partitions never change once installed.
+        chunks, learning_rate = aggregation.check_content(request, model, parts,
+                                                          self.ps_index)
+        with self._lock:
+            accepted = aggregation.check_iterations(chunks, wid)
             if learning_rate is not None:
                 for _, iteration, _ in accepted:
                     self._applier.set_learning_rate_locked(iteration, learning_rate)

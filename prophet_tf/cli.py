@@ -6,6 +6,7 @@
     prophet-tf plot [...]      draw timelines or a bench result as an image
     prophet-tf bench [...]     compare schedulers on an emulated cluster (netns + tc)
     prophet-tf simulate [...]  discrete-event simulation of the schedulers
+    prophet-tf report [...]    render (or check) the README's tables from their JSON
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ _COMMANDS = {
     "plot": ("prophet_tf.tools.plot", "draw timelines (Gantt chart per worker) or a bench result"),
     "bench": ("prophet_tf.bench.runner", "compare schedulers on an emulated bandwidth-limited cluster"),
     "simulate": ("prophet_tf.bench.simulate_cli", "simulate the schedulers on a profiled model at any scale"),
+    "report": ("prophet_tf.bench.report", "render or check the README's result tables from their JSON"),
 }
 
 

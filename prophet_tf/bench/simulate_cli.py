@@ -115,9 +115,13 @@ def validate(bench: dict, profile: dict, rpc_overhead_s: float = simulate_lib.DE
     for r in bench["results"]:
         if r["scheduler"] not in schedulers_lib.SCHEDULERS:
             continue
+        # The options the run used (ByteScheduler's are tuned per run).
+        settings = config.get("scheduler_settings", {}).get(r["scheduler"], {})
+        options = {k: v for k, v in settings.items()
+                   if k in schedulers_lib.SCHEDULERS[r["scheduler"]].OPTIONS}
         pred = simulate_lib.simulate(profile, r["scheduler"], config["workers"], config["ps"],
                         config["bandwidth_mbit"], latency_ms=config.get("latency_ms", 0.0),
-                        rpc_overhead_s=rpc_overhead_s,
+                        rpc_overhead_s=rpc_overhead_s, scheduler_options=options,
                         layout=config.get("layout", "dedicated"),
                         framing=config.get("ideal", {}).get("framing", 1.0))
         rows.append({"scheduler": r["scheduler"], "measured_s": r["step_time_s"],

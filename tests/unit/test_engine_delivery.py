@@ -27,10 +27,12 @@ SHAPE = (4, 3)  # 4 rows of 12 bytes, in two partitions of 2 rows
 
 
 def make_dispatch(name="p3"):
-    # 24-byte slices cut the variable into two partitions, one per PS.
+    # 24-byte slices cut the variable into two partitions, one per PS (not
+    # balanced further: the tests name the two).
     specs = [ps_pb2.VariableSpec(key=0, name="w", shape=SHAPE, dtype="float32", priority=0)]
     options = {"slice_bytes": 24} if name == "p3" else {}
-    return Dispatch([NATIVE_KEY], specs, 2, schedulers.make_scheduler(name, **options))
+    return Dispatch([NATIVE_KEY], specs, 2, schedulers.make_scheduler(name, **options),
+                    balance=False)
 
 
 @pytest.fixture

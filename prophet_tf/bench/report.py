@@ -1,0 +1,120 @@
+"""`prophet-tf report`: the README's result tables, rendered from committed JSON.
+
+    prophet-tf report README.md            # rewrite every marked table
+    prophet-tf report README.md --check    # exit 1 if one differs from its JSON
+
+A table is marked in the Markdown by the JSON it comes from::
+
+    <!-- table: bench benchmarks/bench-colocated.json -->
+    ...generated lines...
+    <!-- end table -->
+
+Kinds: ``bench`` (a ``prophet-tf bench --json`` result: median step time,
+range, throughput, ratios to FIFO, tf-mwms and the ideal bound) and
+``validate`` (a ``prophet-tf simulate --validate --json`` result: measured
+against predicted). Paths are relative to the Markdown file. The tests run
+``--check`` on the README, so a table can never drift from its data.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+__all__ = ["bench_table", "validate_table", "render", "main"]
+
+_BLOCK = re.compile(r"(<!-- table: (\w+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def bench_table(result: dict) -> str:
+    """Markdown lines for a bench result, one row per scheduler."""
+    config, rows = result["config"], result["results"]
+    by = {r["scheduler"]: r["step_time_s"] for r in rows}
+    ideal = config["ideal"]
+    lines = ["| scheduler | step time (median) | range over runs | samples/s | vs FIFO | "
+             "vs tf-mwms | vs ideal |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        step = r["step_time_s"]
+        ratios = [f"{step / by[ref]:.2f}" if ref in by else "–" for ref in ("fifo", "tf-mwms")]
+        lines.append(
+            f"| {r['scheduler']} | {_ms(step)} ms | {_ms(min(r['step_time_s_all']))}–"
+            f"{_ms(max(r['step_time_s_all']))} | {r['samples_per_s']:.1f} | {ratios[0]} | "
+            f"{ratios[1]} | {step / r['ideal_step_time_s']:.2f} |")
+    layout = config.get("layout", "dedicated")
+    lines.append("")
+    lines.append(
+        f"{config['model']}, {config['workers']} workers, {config['ps']} PS ({layout}), "
+        f"{config['bandwidth_mbit']:g} Mbit/s, {len(rows[0]['step_time_s_all'])} runs of "
+        f"{config['steps']} steps; compute {_ms(config['compute_s'])} ms; ideal "
+        f"{_ms(ideal['ideal_s'])} ms = max(compute {_ms(ideal['compute_s'])}, busiest link "
+        f"{_ms(ideal['busiest_link_s'])}"
+        + (f", critical chain {_ms(ideal['chain_s'])}" if "chain_s" in ideal else "") + ").")
+    return "\n".join(lines) + "\n"
+
+
+def validate_table(result: dict) -> str:
+    """Markdown lines for a ``simulate --validate`` result."""
+    lines = ["| scheduler | measured | predicted | error |", "|---|---|---|---|"]
+    for r in result["validation"]:
+        lines.append(f"| {r['scheduler']} | {_ms(r['measured_s'])} ms | "
+                     f"{_ms(r['predicted_s'])} ms | {r['error']:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+_KINDS = {"bench": bench_table, "validate": validate_table}
+
+
+def render(markdown: str, base: str) -> str:
+    """``markdown`` with every marked table regenerated from its JSON.
+
+    Raises:
+      ValueError: an unknown kind; FileNotFoundError: a missing JSON.
+    """
+    def one(match):
+        kind, path = match.group(2), match.group(3)
+        if kind not in _KINDS:
+            raise ValueError(f"unknown table kind; valid: {', '.join(_KINDS)}. "
+                             f"Received: {kind!r} for {path}")
+        with open(os.path.join(base, path)) as f:
+            data = json.load(f)
+        return match.group(1) + _KINDS[kind](data) + match.group(5)
+    return _BLOCK.sub(one, markdown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prophet-tf report",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("markdown", help="a Markdown file with marked tables (README.md)")
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if a table differs from its JSON")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        with open(args.markdown) as f:
+            text = f.read()
+        new = render(text, os.path.dirname(os.path.abspath(args.markdown)))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"prophet-tf report: {e}", file=sys.stderr)
+        return 2
+    tables = len(_BLOCK.findall(text))
+    if args.check:
+        if new != text:
+            print(f"prophet-tf report: {args.markdown}: a table differs from its JSON; run "
+                  f"`prophet-tf report {args.markdown}`", file=sys.stderr)
+            return 1
+        print(f"{args.markdown}: {tables} table(s) match their JSON")
+        return 0
+    if new != text:
+        with open(args.markdown, "w") as f:
+            f.write(new)
+    print(f"{args.markdown}: {tables} table(s) rendered")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,47 @@ from prophet_tf import codec
 from prophet_tf.engine.dispatch import Dispatch
 from prophet_tf.ps import sharding
 
-__all__ = ["Assembler"]
+__all__ = ["Assembler", "Expected"]
+
+
+class Expected:
+    """The partitions one pull still waits for; they may arrive in any order.
+
+    The PS sends each partition of a version the moment it is applied, so
+    the order of a pull's answers is not the order asked. Each answer must
+    still be a partition asked for and not yet received.
+
+    Args:
+      ps_index: the PS asked (for messages).
+      partitions: the partitions asked for, in the order asked (priority).
+    """
+
+    def __init__(self, ps_index: int, partitions):
+        self.ps_index = ps_index
+        self._left = {(p.key, p.partition): p for p in partitions}
+        self._order = list(partitions)
+
+    def __len__(self) -> int:
+        return len(self._left)
+
+    def left(self) -> list[sharding.Partition]:
+        """What is still expected, in the order asked (for a new request)."""
+        return [p for p in self._order if (p.key, p.partition) in self._left]
+
+    def take(self, chunk) -> sharding.Partition:
+        """The partition ``chunk`` answers, no longer expected.
+
+        Raises:
+          RuntimeError: a partition not asked for, or one already received;
+            nothing changes then.
+        """
+        partition = self._left.pop((chunk.key, chunk.partition), None)
+        if partition is None:
+            raise RuntimeError(
+                f"PS {self.ps_index} sent a partition not asked for, or twice. Received: key "
+                f"{chunk.key} partition {chunk.partition} version {chunk.version}; still "
+                f"expected {len(self._left)} partition(s)")
+        return partition
 
 
 class Assembler:

@@ -34,7 +34,7 @@ from prophet_tf import cluster as cluster_lib
 from prophet_tf import codec, keras_optimizer, progress
 from prophet_tf.engine import liveness, schedulers
 from prophet_tf.engine import timeline as timeline_lib
-from prophet_tf.engine.delivery import Assembler
+from prophet_tf.engine.delivery import Assembler, Expected
 from prophet_tf.engine.dispatch import Dispatch
 from prophet_tf.ps.client import Chunk, PSClient, variable_specs
 
@@ -342,29 +342,22 @@ class Engine:
         one asked for and not yet received.
         """
         client = self._clients[ps_index]
-        owned = self._dispatch.pull_order(ps_index)  # priority order, for the request
+        expected = Expected(ps_index, self._dispatch.pull_order(ps_index))
         previous = time.monotonic_ns()
         waited_s = 0.0
-        while owned:
-            left = {(p.key, p.partition): p for p in owned}
+        while expected:
             try:
-                for chunk in client.pull(owned, version, timeout=self.rpc_timeout_s):
+                for chunk in client.pull(expected.left(), version, timeout=self.rpc_timeout_s):
                     arrived = time.monotonic_ns()
-                    expected = left.pop((chunk.key, chunk.partition), None)
-                    if expected is None:
-                        raise RuntimeError(
-                            f"PS {ps_index} sent a partition not asked for, or twice. "
-                            f"Received: key {chunk.key} partition {chunk.partition} version "
-                            f"{chunk.version}; still expected {len(left)} partition(s)")
-                    owned.remove(expected)
+                    partition = expected.take(chunk)
                     if self._recorder is not None:
                         # The key asked for, not the wire's: the assembler checks that.
-                        native_key = self._dispatch.native_keys[expected.key]
+                        native_key = self._dispatch.native_keys[partition.key]
                         self._recorder.transfer(timeline_lib.Transfer(
                             "pull", ps_index, (native_key,), chunk.array.nbytes, version,
                             previous, arrived))
                     previous = arrived
-                    self._assembler.deliver(chunk, expected, version)
+                    self._assembler.deliver(chunk, partition, version)
             except Exception as e:
                 if self._stop.is_set():
                     return

@@ -103,3 +103,18 @@ def test_a_second_gradient_for_the_same_variable_and_iteration_fails_and_keeps_t
     assert _native.outstanding_grads() == 1  # the second was released
     assert [len(q.get_nowait()) for q in e._send_queues] == [1, 1]  # the first is sent
     assert [q.get_nowait() for q in e._pull_queues] == [1, 1]  # version 1 asked for
+
+
+def test_a_pull_takes_its_partitions_in_any_order_but_each_once():
+    from prophet_tf.engine.delivery import Expected
+
+    parts = make_dispatch().partitions_of[0]
+    expected = Expected(1, parts)
+    assert expected.take(chunk(1, 3)) == parts[1]  # the second asked, first applied
+    assert len(expected) == 1 and expected.left() == [parts[0]]
+    with pytest.raises(RuntimeError, match="not asked for, or twice.*partition 1 version 3"):
+        expected.take(chunk(1, 3))
+    with pytest.raises(RuntimeError, match="key 5 partition 0"):
+        expected.take(chunk(0, 3, key=5))
+    assert expected.left() == [parts[0]]  # a bad answer changes nothing
+    assert expected.take(chunk(0, 3)) == parts[0] and not expected

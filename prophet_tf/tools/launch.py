@@ -14,6 +14,8 @@ healthy, training with epoch and step, done, failed, stopped; see
 prophet_tf.progress) and a summary table at the end. With ``--restart K`` a
 failed cluster is stopped and started again, PS tasks included, up to K
 times. ``--checkpoint-dir D`` gives PS task i ``--checkpoint-dir D/ps-<i>``.
+Tasks get TF_CPP_MIN_LOG_LEVEL=2 unless it is set, and TensorFlow's start-up
+banners are dropped from the output of a task whose level hides them.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -37,6 +40,17 @@ logger = logging.getLogger(__name__)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_LEVEL_ENV = "PROPHET_TF_LOG_LEVEL"
+# TensorFlow's C++ log level; the launcher gives tasks 2 (warnings and errors
+# hidden) unless the caller set it.
+TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
+# What TensorFlow prints at import before its logging honours TF_CPP_MIN_LOG_LEVEL
+# (TensorFlow 2.21: once per loaded library). Dropped from a task's output when its
+# TF_CPP_MIN_LOG_LEVEL hides informational messages (>= 1).
+_STARTUP_BANNERS = (re.compile(rb"^WARNING: All log messages before absl::InitializeLog\(\) "
+                               rb"is called are written to STDERR\r?$"),
+                    re.compile(rb"^I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations "
+                               rb"are on\."))
+
 
 def _check_executable(program: str, env: dict[str, str]) -> None:
     """Raises what Popen would for a program that cannot run (a missing or non-executable file)."""
@@ -61,6 +75,7 @@ class Task:
         self._out = out or sys.stdout
         self.status_file = env.get(progress.STATUS_FILE_ENV)
         self._terminated = False
+        self._drop_banners = env.get(TF_LOG_LEVEL_ENV, "0").strip() not in ("", "0")
         logger.debug("starting %s: %s", name, " ".join(argv))
         _check_executable(argv[0], env)  # The shim below would only exit 127.
         # No preexec_fn: see prophet_tf/tools/_die_with_parent.py for why.
@@ -73,6 +88,8 @@ class Task:
     def _pump(self):
         prefix = f"[{self.name}] ".encode()
         for line in iter(self.process.stdout.readline, b""):
+            if self._drop_banners and any(b.match(line) for b in _STARTUP_BANNERS):
+                continue
             self._out.buffer.write(prefix + line) if hasattr(self._out, "buffer") else \
                 self._out.write((prefix + line).decode(errors="replace"))
             self._out.flush()
@@ -180,6 +197,7 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
         raise ValueError("no worker command given; put it after `--`. Received: CMD=[]")
     from prophet_tf.ps import security as security_lib
     base_env = dict(os.environ)
+    base_env.setdefault(TF_LOG_LEVEL_ENV, "2")  # TensorFlow's own start-up chatter: quiet
     if security_lib.TOKEN_ENV not in base_env and security_lib.TOKEN_FILE_ENV not in base_env:
         # Authenticated by default: every task of this cluster, and only they, get the token.
         import secrets

@@ -11,10 +11,8 @@ Callbacks, each writing under OUT/worker-<i>/ (workers share no file):
 - EarlyStopping: stops when the validation loss stops improving. Keep the
   default `restore_best_weights=False`: restoring assigns the weights after
   training started, which prophet_tf rejects (NotImplementedError); load
-  `best.keras` instead. Each worker judges its own share of the validation
-  data, so patience must leave room for the workers to agree: a worker that
-  stops while the others go on leaves them waiting for its gradients (see
-  the README, "What is and is not supported");
+  `best.keras` instead. Every worker sees the same whole-data validation
+  loss, so all stop at the same epoch;
 - BackupAndRestore: a backup in `backup/` at every epoch end, deleted when
   fit ends; after a crash, `prophet-tf launch --restart K` starts the
   cluster again and every worker resumes from its last backed-up epoch.
@@ -23,12 +21,12 @@ Callbacks, each writing under OUT/worker-<i>/ (workers share no file):
       prophet-tf launch --workers 2 --ps 1 --restart 1 -- \
           python examples/functional_callbacks.py --out runs/ --crash-in-epoch 3
 
-  The PS tasks restart empty: the weights come back from the backups (every
-  worker restores the same epoch), while the optimizer's state (Adam's
-  moments), which lives on the PS, starts over.
+  The PS tasks restart empty: the weights and the optimizer's state (Adam's
+  moments, read from the PS when the backup was written) come back from the
+  backups, and every worker restores the same epoch.
 
-Metrics are per worker (each over its share of the data); the model itself,
-called on the whole test set, gives the accuracy printed at the end.
+Metrics, and so the callbacks' decisions, are over the whole data and the
+same on every worker, as in single-process Keras.
 """
 import argparse
 import importlib.util
@@ -135,7 +133,9 @@ def main():
           + " ".join(f"{v:.4f}" for v in history.history["val_loss"]), flush=True)
     if early.stopped_epoch:
         print(f"{who}: EarlyStopping stopped after epoch {early.stopped_epoch + 1}", flush=True)
-    accuracy = float(np.mean(np.argmax(model(x_test), axis=-1) == y_test))
+    # Whole test set, the same on every worker (each BatchNormalization keeps its
+    # worker's own moving statistics; evaluate sums what the workers count).
+    _, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch, verbose=0)
     best = keras.models.load_model(checkpoint)  # A plain Keras model, no strategy needed.
     best_accuracy = float(np.mean(np.argmax(best(x_test), axis=-1) == y_test))
     logs = sum(len(files) for _, _, files in os.walk(os.path.join(mine, "tensorboard")))

@@ -36,6 +36,8 @@ from prophet_tf import _keras_compat
 from prophet_tf import _native
 from prophet_tf import cluster as cluster_lib
 from prophet_tf import keras_optimizer
+from prophet_tf import saved_state
+from prophet_tf import whole_data
 from prophet_tf.variables import PSVariable
 
 logger = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
                         rpc_timeout_s=rpc_timeout_s, timeline=timeline,
                         make_shapers=shaping.from_env, runtime=_native)
         _native.load()  # Fail here, with the rebuild hint, if the op library is broken.
-        distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine))
+        distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine, rpc_timeout_s))
 
     @property
     def cluster(self) -> cluster_lib.ClusterConfig:
@@ -105,15 +107,23 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
     def shutdown(self) -> None:
         """Pushes what is pending and stops the engine; the strategy cannot train afterwards."""
         self.extended.engine.shutdown()
+        self.extended.exchange.close()
+        self.extended.saved_state.close()
 
 
 class PSExtended(one_device_strategy.OneDeviceExtended):
     """The hooks behind `Strategy`."""
 
-    def __init__(self, container_strategy, config: cluster_lib.ClusterConfig, engine):
+    def __init__(self, container_strategy, config: cluster_lib.ClusterConfig, engine,
+                 rpc_timeout_s: float = 120.0):
         super().__init__(container_strategy, "/cpu:0")
         self.cluster = config
         self.engine = engine
+        # Whole-data metrics and predictions (prophet_tf/whole_data.py).
+        self.exchange = whole_data.Exchange(config.ps[0], engine.worker_id, config.num_workers,
+                                            rpc_timeout_s)
+        self.saved_state = saved_state.SavedState(config.ps, engine.worker_id,
+                                                  config.num_workers, rpc_timeout_s)
         # Training steps started by this worker; reads in step k want version k.
         with tf.init_scope():
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="prophet_tf_step")
@@ -174,7 +184,13 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                           "gradient pushes cannot overlap backprop and each layer's forward "
                           "waits for all parameters. Use run_eagerly=False for speed.",
                           stacklevel=2)
-        return super()._call_for_each_replica(fn, args, kwargs)
+        model, kind = whole_data.keras_step(fn)
+        if model is None or self.cluster.num_workers == 1:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        if kind == "predict_step":
+            return self.exchange.gather_rows(super()._call_for_each_replica(fn, args, kwargs))
+        return self.exchange.metrics_step(
+            model, lambda: super(PSExtended, self)._call_for_each_replica(fn, args, kwargs))
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         _reject_xla()  # tf_keras compiles only the replica function: fail before registering.
@@ -253,6 +269,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                         "compile the model with run_eagerly=False. Received: run_eagerly=True")
                 # Traced: nothing has run yet, so the first step reads version `start`.
                 self._step.assign(start)
+            # Saved models hold the PS's optimizer state; a resumed one seeds it.
+            self.saved_state.start(optimizer, trained, resume_step)
             for variable in untrained:
                 # Frozen: its reads return the staged local value at any step.
                 _native.freeze_param(variable.native_key)

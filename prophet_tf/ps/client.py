@@ -84,6 +84,17 @@ class PSClient:
         self._heartbeat = self._channel.unary_unary(
             method + "Heartbeat", request_serializer=ps_pb2.HeartbeatRequest.SerializeToString,
             response_deserializer=ps_pb2.HeartbeatResponse.FromString)
+        self._gather = self._channel.unary_unary(
+            method + "Gather", request_serializer=ps_pb2.GatherRequest.SerializeToString,
+            response_deserializer=ps_pb2.GatherResponse.FromString)
+        self._read_state = self._channel.unary_stream(
+            method + "ReadOptimizerState",
+            request_serializer=ps_pb2.OptimizerStateRequest.SerializeToString,
+            response_deserializer=ps_pb2.OptimizerSlot.FromString)
+        self._write_state = self._channel.stream_unary(
+            method + "WriteOptimizerState",
+            request_serializer=ps_pb2.OptimizerSlot.SerializeToString,
+            response_deserializer=ps_pb2.OptimizerStateWritten.FromString)
 
     def wait_ready(self, timeout: float) -> None:
         """Blocks until the PS reports SERVING through grpc.health.v1.
@@ -216,6 +227,20 @@ class PSClient:
         request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, steps_pushed=steps_pushed,
                                           leaving=leaving)
         return self._heartbeat(request, timeout=timeout).failure
+
+    def gather(self, round_id: int, payload: bytes, timeout: float | None = None) -> list[bytes]:
+        """One all-gather round: every worker's payload of ``round_id``, in worker order."""
+        request = ps_pb2.GatherRequest(worker_id=self.worker_id, round=round_id, payload=payload)
+        return list(self._gather(request, timeout=timeout).payloads)
+
+    def read_optimizer_state(self, min_version: int, timeout: float | None = None) -> list:
+        """The optimizer's slots (``OptimizerSlot``) of this PS's partitions at ``min_version``."""
+        request = ps_pb2.OptimizerStateRequest(worker_id=self.worker_id, min_version=min_version)
+        return list(self._read_state(request, timeout=timeout))
+
+    def write_optimizer_state(self, slots: Iterable, timeout: float | None = None) -> int:
+        """Sends whole-variable slots; the PS keeps its rows. Returns how many it set."""
+        return self._write_state(iter(slots), timeout=timeout).slots
 
     def close(self) -> None:
         self._channel.close()

@@ -89,6 +89,10 @@ class Liveness:
                 return wid, steps
         return None
 
+    def left_after_locked(self, wid: int) -> int | None:
+        """The steps worker ``wid`` pushed before it left the job, or None if it has not left."""
+        return self._left.get(wid)
+
     def stop(self) -> None:
         self._stopping.set()
 

@@ -96,6 +96,18 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
             servicer.Heartbeat,
             request_deserializer=protocol.tolerant_parser(ps_pb2.HeartbeatRequest),
             response_serializer=ps_pb2.HeartbeatResponse.SerializeToString),
+        "Gather": grpc.unary_unary_rpc_method_handler(
+            servicer.Gather,
+            request_deserializer=protocol.tolerant_parser(ps_pb2.GatherRequest),
+            response_serializer=ps_pb2.GatherResponse.SerializeToString),
+        "ReadOptimizerState": grpc.unary_stream_rpc_method_handler(
+            servicer.ReadOptimizerState,
+            request_deserializer=protocol.tolerant_parser(ps_pb2.OptimizerStateRequest),
+            response_serializer=ps_pb2.OptimizerSlot.SerializeToString),
+        "WriteOptimizerState": grpc.stream_unary_rpc_method_handler(
+            servicer.WriteOptimizerState,
+            request_deserializer=protocol.tolerant_parser(ps_pb2.OptimizerSlot),
+            response_serializer=ps_pb2.OptimizerStateWritten.SerializeToString),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -11,6 +11,8 @@ It owns the locking and wires the concerns together, each in its module:
 * ``aggregation.py``: the iteration rules of a push, the NaN/Inf check, sums;
 * ``apply.py``: the optimizer apply thread;
 * ``liveness.py``: heartbeats and the watchdog;
+* ``keras_rpcs.py``: what Keras needs besides training (Gather for
+  whole-data metrics and predictions, the optimizer state of saved models);
 * ``checkpoint.py``: checkpoints, taken on the apply thread when the last
   partition reaches a version and restored at the first Register (the one of
   the workers' ``resume_step`` when they resume from their own backup, else
@@ -32,7 +34,8 @@ from typing import Callable, Iterator
 
 import grpc
 
-from prophet_tf.ps import aggregation, apply, liveness, protocol, registration, sharding
+from prophet_tf.ps import aggregation, apply, gather, liveness, protocol, registration, sharding
+from prophet_tf.ps.keras_rpcs import KerasRPCs
 from prophet_tf.ps import checkpoint as checkpoint_lib
 from prophet_tf.ps.errors import RejectionLog, RpcError, invalid, precondition
 from prophet_tf.ps.v1 import ps_pb2
@@ -47,7 +50,7 @@ _PULL_POLL_SECONDS = 1.0
 MAX_PULLS_PER_WORKER = 4
 
 
-class ParameterServerServicer:
+class ParameterServerServicer(KerasRPCs):
     """Implements the ``prophet_tf.ps.v1.ParameterServer`` methods.
 
     Args:
@@ -123,6 +126,7 @@ class ParameterServerServicer:
             name=f"prophet-tf-ps{ps_index}-watchdog")
         self._applier = apply.Applier(self._lock, f"prophet-tf-ps{ps_index}-apply",
                                       self._applied, self._apply_failed)
+        self._gatherer = gather.Gatherer(num_workers, self._gather_failure)
 
     # ------------------------------------------------------------------ RPCs
 
@@ -206,7 +210,8 @@ class ParameterServerServicer:
                 elif request.resume_step:
                     logger.warning("The workers resume at step %d and this PS has no "
                                    "checkpoint of it: worker 0's values become version %d; "
-                                   "the optimizer's state starts afresh.",
+                                   "the optimizer's state starts afresh unless worker 0 sends it "
+                                   "(WriteOptimizerState, from a saved Keras 3 model).",
                                    request.resume_step, request.resume_step)
             self._liveness.registered_locked(request.worker_id)
         # Values are assigned outside the state lock (pulls and pushes of other
@@ -390,6 +395,7 @@ class ParameterServerServicer:
 
     def _notify_all_locked(self) -> None:
         self._published.notify_all()
+        self._gatherer.wake()
 
     # ----------------------------------------------------------- checkpoints
 

@@ -403,9 +403,12 @@ def assert_batchnorm_keeps_local_statistics(run: Run) -> list[np.ndarray]:
     return means
 
 
-def assert_reads_see_latest_parameters(run: Run, expected: list[np.ndarray]) -> None:
+def assert_reads_see_latest_parameters(run: Run, expected: list[np.ndarray], *,
+                                      whole_data: bool) -> None:
     """After fit on an MLP: get_weights, predict and evaluate on every worker use the last
-    step's parameters (`expected`, the single-process reference), and save/load keeps them."""
+    step's parameters (`expected`, the single-process reference), and save/load keeps them.
+    `whole_data`: predict and evaluate cover every row (Keras 3), else this worker's share
+    of each global batch (tf_keras)."""
     import keras_worker as kw
 
     workers = run.config["workers"]
@@ -419,9 +422,10 @@ def assert_reads_see_latest_parameters(run: Run, expected: list[np.ndarray]) -> 
         for j, (w, t, e) in enumerate(zip(weights, trainable, expected)):
             np.testing.assert_array_equal(w, t)
             assert_close(w, e, f"worker {index}: get_weights()[{j}]")
-        # predict and evaluate: computed from those weights, on this worker's share
-        # of each global batch (every dataset is split, see README "Data").
-        x_share, y_share = (shares(a, global_batch, workers, index) for a in (x_probe, y_probe))
+        # predict and evaluate: computed from those weights, on every row (Keras 3) or
+        # on this worker's share of each global batch (tf_keras; README "What fit computes").
+        x_share, y_share = (a if whole_data else shares(a, global_batch, workers, index)
+                            for a in (x_probe, y_probe))
         logits = mlp_logits(weights, x_share)
         np.testing.assert_allclose(arrays["predict"], logits, rtol=1e-5, atol=1e-5,
                                    err_msg=f"worker {index}: predict")

@@ -124,7 +124,8 @@ def test_evaluate_predict_get_weights_see_latest_parameters(runs):
     run = runs("sgd")
     run.check_ok()
     # get_weights after fit: the last step's parameters (= single-process step 6).
-    assert_reads_see_latest_parameters(run, reference(run.config)["trainable"])
+    assert_reads_see_latest_parameters(run, reference(run.config)["trainable"],
+                                      whole_data=True)
 
 
 # -- 4. dataset kinds --------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""Gather: rounds of an all-gather among the workers, through PS task 0.
+
+The workers use it for what Keras reports (whole-data metrics and
+predictions, ``prophet_tf.whole_data``): in round r every worker sends its
+bytes, and each gets back all W payloads in worker order once the last one
+has arrived. The PS never reads the payloads.
+
+Every worker runs the same rounds in the same order, and waits for each
+round before it starts the next, so only a few rounds are ever open; a
+client that opens more than :data:`MAX_OPEN_ROUNDS` is refused.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import grpc
+
+from prophet_tf.ps.errors import RpcError, invalid
+
+__all__ = ["Gatherer", "MAX_OPEN_ROUNDS"]
+
+MAX_OPEN_ROUNDS = 16
+_POLL_SECONDS = 1.0
+
+
+class _Round:
+    def __init__(self, num_workers: int):
+        self.payloads: list[bytes | None] = [None] * num_workers
+        self.fetched = 0
+
+
+class Gatherer:
+    """The open rounds of one PS task.
+
+    Args:
+        num_workers: W.
+        failure: ``(round, missing workers)`` -> why the round can never
+            complete (the job failed, a missing worker left), or None.
+    """
+
+    def __init__(self, num_workers: int, failure: Callable[[int, list], str | None]):
+        self.num_workers = num_workers
+        self._failure = failure
+        self._cond = threading.Condition()
+        self._rounds: dict[int, _Round] = {}
+
+    def wake(self) -> None:
+        """Wakes the waiting calls (the job failed)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def gather(self, request, context) -> list[bytes]:
+        """Adds the request's payload to its round and returns the round's W payloads.
+
+        Raises:
+            RpcError: a bad worker id or round, a different payload sent
+                twice, too many open rounds, the job failed, or the call's
+                deadline passed first.
+        """
+        if getattr(request, "malformed", None):  # bytes that did not parse (protocol.py)
+            raise invalid(f"The request is not a GatherRequest. Received: {request.malformed}")
+        worker_id, round_id, payload = request.worker_id, request.round, request.payload
+        if not 0 <= worker_id < self.num_workers:
+            raise invalid(f"worker_id must be in [0, {self.num_workers}). "
+                          f"Received: worker_id={worker_id}")
+        if round_id < 0:
+            raise invalid(f"round must be >= 0. Received: round={round_id}")
+        with self._cond:
+            entry = self._rounds.get(round_id)
+            if entry is None:
+                if len(self._rounds) >= MAX_OPEN_ROUNDS:
+                    raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"{len(self._rounds)} gather rounds are open, the most "
+                                   f"allowed. Received: round={round_id}")
+                entry = self._rounds[round_id] = _Round(self.num_workers)
+            previous = entry.payloads[worker_id]
+            if previous is not None and previous != payload:
+                raise invalid(f"Worker {worker_id} sent another payload for gather round "
+                              f"{round_id}: every worker must run the same evaluate, "
+                              f"predict and fit calls. Received: round={round_id}")
+            entry.payloads[worker_id] = payload
+            self._cond.notify_all()
+        while True:
+            with self._cond:
+                missing = [i for i, p in enumerate(entry.payloads) if p is None]
+                if not missing:
+                    entry.fetched += 1
+                    if entry.fetched >= self.num_workers:
+                        del self._rounds[round_id]
+                    return list(entry.payloads)
+            # Outside this lock: the check takes the servicer's, which holds it
+            # while it wakes the waiting calls.
+            failure = self._failure(round_id, missing)
+            if failure:
+                raise RpcError(grpc.StatusCode.ABORTED, failure)
+            with self._cond:
+                if all(p is not None for p in entry.payloads):
+                    continue
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"Gather round {round_id}: no payload from workers "
+                                   f"{missing} before the deadline")
+                if not context.is_active():
+                    raise RpcError(grpc.StatusCode.CANCELLED, "the client went away")
+                self._cond.wait(_POLL_SECONDS if remaining is None
+                                else min(remaining, _POLL_SECONDS))

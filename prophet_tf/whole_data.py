@@ -1,0 +1,216 @@
+"""What Keras reports under the strategy: whole-data metrics and predictions, on every worker.
+
+Each worker trains, evaluates and predicts on its share of every global batch
+(README "Data"). So that `fit`'s logs, `evaluate` and `predict` give what
+single-process Keras gives, identically on every worker, the strategy wraps
+each Keras 3 train, test and predict step:
+
+- train and test steps: after the step, every metric's variables (the loss
+  tracker's and the compiled metrics' totals and counts, confusion matrices,
+  ...) hold this worker's own accumulation; the workers all-gather them
+  through PS task 0 (the `Gather` RPC), sum them in float64 in worker order,
+  and the metric variables are set to the sum before Keras reads the results.
+  Metric states are sums over samples, so the sum of the workers' states is
+  the state of the whole data. Each worker keeps its own accumulation in a
+  shadow variable and puts it back before the next step's update; a metric
+  that was reset (its value no longer the sum last written) starts again from
+  that value.
+- predict steps: the workers all-gather their rows of the batch and
+  concatenate them in worker order, which is the batch's order (a worker's
+  share is a contiguous block of rows).
+
+One gather round per step, in the same order on every worker: every worker
+must make the same `fit`, `evaluate` and `predict` calls, as with any
+tf.distribute strategy.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import sys
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Exchange", "keras_step"]
+
+_STEP_NAMES = ("train_step", "test_step", "predict_step")
+
+
+def keras_step(fn):
+    """``(model, kind)`` when ``fn`` (given to ``strategy.run``) is a Keras 3 model's train,
+    test or predict step (``kind`` is the method's name), else ``(None, None)``.
+
+    Keras 3 runs ``model.train_step``/``test_step`` themselves and, for
+    predict, a closure over the model that calls ``predict_step``.
+    tf.distribute wraps the function, so wrappers and closures are searched a
+    few levels deep.
+    """
+    keras = sys.modules.get("keras")
+    if keras is None:  # No Keras 3 model can exist.
+        return None, None
+    pending, seen = [fn], set()
+    while pending:
+        f = pending.pop()
+        if id(f) in seen or len(seen) > 32:
+            continue
+        seen.add(id(f))
+        owner = getattr(f, "__self__", None)
+        if isinstance(owner, keras.Model) and getattr(f, "__name__", "") in _STEP_NAMES:
+            return owner, f.__name__
+        code = getattr(f, "__code__", None)
+        cells = [c for c in getattr(f, "__closure__", None) or ()]
+        if code is not None and "predict_step" in code.co_names:
+            for cell in cells:
+                try:
+                    if isinstance(cell.cell_contents, keras.Model):
+                        return cell.cell_contents, "predict_step"
+                except ValueError:  # An empty cell.
+                    pass
+        if getattr(f, "__wrapped__", None) is not None:
+            pending.append(f.__wrapped__)
+        for cell in cells:
+            try:
+                if callable(cell.cell_contents):
+                    pending.append(cell.cell_contents)
+            except ValueError:
+                pass
+    return None, None
+
+
+class Exchange:
+    """Gather rounds with the other workers through PS task 0, and the steps that use them.
+
+    Args:
+        address: PS task 0's ``host:port``.
+        worker_id, num_workers: this worker and W.
+        rpc_timeout_s: deadline of one wait; a longer wait is renewed with a
+            warning (another worker may be slower), like a parameter wait.
+    """
+
+    def __init__(self, address: str, worker_id: int, num_workers: int, rpc_timeout_s: float):
+        self.address, self.worker_id, self.num_workers = address, worker_id, num_workers
+        self._timeout = rpc_timeout_s
+        self._client = None
+        self._round = 0
+        self._lock = threading.Lock()
+        # id(metric variable) -> (variable, this worker's accumulation, the sum last written).
+        self._shadows: dict[int, tuple] = {}
+
+    # -- the RPC --------------------------------------------------------------------------
+
+    def gather(self, payload: bytes) -> list[bytes]:
+        """Every worker's payload of the next round, in worker order."""
+        import grpc  # grpc stays out of module import, like the engine's
+
+        from prophet_tf.ps.client import PSClient
+        with self._lock:
+            if self._client is None:
+                self._client = PSClient(self.address, self.worker_id, self.num_workers)
+            round_id, self._round = self._round, self._round + 1
+            client = self._client
+        while True:
+            try:
+                return client.gather(round_id, payload, timeout=self._timeout)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise RuntimeError(f"Gathering the workers' metrics or predictions "
+                                       f"(round {round_id}) through the PS at "
+                                       f"{self.address} failed: {e.details()}") from None
+                logger.warning("Still waiting after %.0f s for the other workers to reach "
+                               "gather round %d (every worker must make the same fit, "
+                               "evaluate and predict calls)", self._timeout, round_id)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    # -- metrics --------------------------------------------------------------------------
+
+    def sum_over_workers(self, tensors: list) -> list:
+        """Each tensor summed over the workers (in float64, in worker order)."""
+        flat = tf.concat([tf.reshape(tf.cast(t, tf.float64), [-1]) for t in tensors], 0)
+
+        def run(x):
+            mine = x.numpy()
+            total = np.zeros_like(mine)
+            for worker, payload in enumerate(self.gather(mine.tobytes())):
+                theirs = np.frombuffer(payload, np.float64)
+                if theirs.shape != mine.shape:
+                    raise ValueError(
+                        f"Worker {worker} has {theirs.size} metric values, this worker "
+                        f"{mine.size}: every worker must compile the same metrics. "
+                        f"Received: {theirs.size} values from worker {worker}")
+                total += theirs
+            return total
+
+        summed = tf.py_function(run, [flat], tf.float64)
+        summed.set_shape(flat.shape)
+        out, begin = [], 0
+        for t in tensors:
+            size = int(np.prod(t.shape))
+            out.append(tf.cast(tf.reshape(summed[begin:begin + size], t.shape), t.dtype))
+            begin += size
+        return out
+
+    def _shadow(self, variable):
+        entry = self._shadows.get(id(variable))
+        if entry is None or entry[0] is not variable:
+            dtype = tf.as_dtype(variable.dtype)  # Keras 3 names dtypes with strings.
+            with tf.init_scope():
+                local = tf.Variable(tf.zeros(variable.shape, dtype), trainable=False,
+                                    name="prophet_tf_metric_local")
+                # NaN: never equal, so a fresh metric starts from its own value.
+                never = np.nan if dtype.is_floating else dtype.min
+                last = tf.Variable(tf.fill(variable.shape, tf.cast(never, dtype)),
+                                   trainable=False, name="prophet_tf_metric_sum")
+            entry = self._shadows[id(variable)] = (variable, local, last)
+        return entry
+
+    def metrics_step(self, model, run):
+        """Runs a train or test step (``run()``) with whole-data metric results."""
+        for variable in _metric_variables(model):
+            _, local, last = self._shadow(variable)
+            value = tf.convert_to_tensor(variable)
+            # Still the sum last written: continue from this worker's own accumulation.
+            variable.assign(tf.where(tf.equal(value, last), local, value))
+        outputs = run()
+        variables = _metric_variables(model)
+        if not variables:
+            return outputs
+        mine = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        summed = self.sum_over_workers(mine)
+        for variable, own, total in zip(variables, mine, summed):
+            _, local, last = self._shadow(variable)
+            local.assign(own)
+            last.assign(total)
+            variable.assign(total)
+        if isinstance(outputs, dict):
+            results = model.get_metrics_result()
+            outputs = {k: results.get(k, value) for k, value in outputs.items()}
+        return outputs
+
+    # -- predictions ------------------------------------------------------------------------
+
+    def gather_rows(self, outputs):
+        """The whole batch's predictions: every worker's rows, in worker order."""
+        flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(outputs)]
+
+        def run(*arrays):
+            buffer = io.BytesIO()
+            np.savez(buffer, *[a.numpy() for a in arrays])
+            parts = [np.load(io.BytesIO(p), allow_pickle=False)
+                     for p in self.gather(buffer.getvalue())]
+            return [np.concatenate([p[f"arr_{i}"] for p in parts]) for i in range(len(arrays))]
+
+        rows = tf.py_function(run, flat, [t.dtype for t in flat])
+        for row, t in zip(rows, flat):
+            row.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+        return tf.nest.pack_sequence_as(outputs, rows)
+
+
+def _metric_variables(model) -> list:
+    return [v for metric in model.metrics for v in metric.variables]

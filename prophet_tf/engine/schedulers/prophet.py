@@ -55,13 +55,14 @@ class ProphetScheduler(PriorityScheduler):
       least one item goes, so the scheduler never stalls; later in the gap
       (after a block finished early, or as more items become ready) further
       blocks go only if they fit the time left, except that an idle link
-      takes the next item alone when at least half of it fits (ours: its end
-      is then nearer the next burst's arrival than the link's idling would be;
-      without it, the ResNet-50 of benchmarks/bench_scheduler.py at 3 Gbit/s
-      left its link idle 38 ms per iteration, 323 ms instead of 295 ms).
+      always takes the most urgent item alone (ours: a link never idles while
+      an item waits for it; idling cannot make the item end sooner). Before
+      the first burst of an iteration has arrived, an idle link likewise
+      takes the most urgent ready item.
     - Last burst (the last burst arrived, or the most urgent gradient of the
-      plan - priority 0 - is fully ready), gradients of older iterations, and
-      after :meth:`flush`: strictly by urgency, blocks of at most
+      plan - priority 0 - is fully ready), a plan of a single burst,
+      gradients of older iterations, and after :meth:`flush`: strictly by
+      urgency, blocks of at most
       :attr:`BLOCK_BYTES` that fit the window (the link never waits for the
       scheduler, and the PS can apply the first layers while the rest follow).
 

@@ -1,0 +1,52 @@
+"""The README's result tables are rendered from, and checked against, committed JSON."""
+import json
+import pathlib
+
+import pytest
+
+from prophet_tf.bench import report
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_every_readme_table_matches_its_json():
+    text = (ROOT / "README.md").read_text()
+    assert "<!-- table: bench " in text  # the Performance section has marked tables
+    assert report.render(text, str(ROOT)) == text, (
+        "a README table differs from its JSON: run `prophet-tf report README.md`")
+
+
+def test_a_bench_table_carries_the_json_numbers(tmp_path):
+    result = {
+        "config": {"model": "cnn", "workers": 2, "ps": 2, "layout": "colocated",
+                   "bandwidth_mbit": 200.0, "steps": 30, "compute_s": 0.04,
+                   "ideal": {"ideal_s": 0.2, "compute_s": 0.04, "busiest_link_s": 0.19,
+                             "chain_s": 0.2}},
+        "results": [
+            {"scheduler": "fifo", "step_time_s": 0.4, "step_time_s_all": [0.39, 0.4, 0.45],
+             "samples_per_s": 160.0, "ideal_step_time_s": 0.2},
+            {"scheduler": "tf-mwms", "step_time_s": 0.25, "step_time_s_all": [0.25, 0.26, 0.3],
+             "samples_per_s": 256.0, "ideal_step_time_s": 0.2}]}
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    md = tmp_path / "doc.md"
+    md.write_text("intro\n<!-- table: bench r.json -->\nstale\n<!-- end table -->\nafter\n")
+    assert report.main([str(md), "--check"]) == 1
+    assert report.main([str(md)]) == 0
+    text = md.read_text()
+    assert "| fifo | 400.0 ms | 390.0–450.0 | 160.0 | 1.00 | 1.60 | 2.00 |" in text
+    # The ideal bound is the PS layout's: not shown for the all-reduce.
+    assert "| tf-mwms | 250.0 ms | 250.0–300.0 | 256.0 | 0.62 | 1.00 | – |" in text
+    assert "2 PS (colocated)" in text and text.startswith("intro\n") and text.endswith("after\n")
+    assert report.main([str(md), "--check"]) == 0
+
+
+def test_bad_markers_name_what_was_received(tmp_path):
+    md = tmp_path / "doc.md"
+    md.write_text("<!-- table: pie r.json -->\n<!-- end table -->\n")
+    with pytest.raises(ValueError, match="'pie'"):
+        report.render(md.read_text(), str(tmp_path))
+    assert report.main([str(md)]) == 2
+    md.write_text("<!-- table: bench missing.json -->\n<!-- end table -->\n")
+    assert report.main([str(md), "--check"]) == 2

@@ -26,7 +26,7 @@ from prophet_tf import keras_optimizer
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_autocast_variable", "is_optimizer", "is_tf_keras_optimizer",
-           "keras3_optimizer_config", "learning_rate_reader"]
+           "keras3_optimizer_config", "learning_rate_reader", "learning_rate_variable"]
 
 # tf_keras optimizers whose Keras 3 class of the same name applies the same update:
 # those the PS supports (prophet_tf.keras_optimizer), but Lamb, which tf_keras lacks.
@@ -171,18 +171,26 @@ def _plain(value):
     return value
 
 
-def learning_rate_reader(optimizer) -> Callable[[], float] | None:
-    """Reads the optimizer's plain learning rate; None for a schedule (the PS runs it).
+def learning_rate_variable(optimizer):
+    """The optimizer's plain learning-rate variable; None for a schedule (the PS runs it).
 
     Works for Keras 3 (`keras.Variable`) and tf_keras (`tf.Variable`) alike:
     callbacks such as LearningRateScheduler assign that variable.
     """
     import tensorflow as tf
-    variable = optimizer._learning_rate
+    # Unsupported optimizers (legacy tf_keras ones) have none; they are
+    # rejected with a clear error when the strategy registers the model.
+    variable = getattr(optimizer, "_learning_rate", None)
     keras = sys.modules.get("keras")
     if keras is not None and isinstance(variable, keras.Variable):
-        return lambda: float(variable.numpy())
+        return variable
     if is_tf_keras_optimizer(optimizer) and isinstance(variable, tf.Variable):
-        return lambda: float(variable.numpy())
+        return variable
     return None
+
+
+def learning_rate_reader(optimizer) -> Callable[[], float] | None:
+    """Reads the optimizer's plain learning rate now; None for a schedule."""
+    variable = learning_rate_variable(optimizer)
+    return None if variable is None else (lambda: float(variable.numpy()))
 

@@ -43,6 +43,8 @@ from prophet_tf.variables import PSVariable
 logger = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+#: Steps whose learning rate is kept for the engine (a ring by step number).
+RATE_SLOTS = 16
 
 
 class Strategy(one_device_strategy.OneDeviceStrategy):
@@ -132,6 +134,10 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         self._step_value: tf.Tensor | None = None
         self._trained_this_trace: list[PSVariable] = []  # trainable_variables order.
         self._registered: list[PSVariable] | None = None
+        # Each step's learning rate by step number (RATE_SLOTS steps kept; at
+        # most two are in flight), and this trace's op that records it.
+        self._rates: tf.Variable | None = None
+        self._rate_recorded = None
         self._eager_warned = False
 
     # -- variables -------------------------------------------------------------------------
@@ -231,12 +237,38 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             # Inputs of unknown shape (a tf_keras Sequence) leave some dimensions
             # of the gradient unknown while tracing; the value has the variable's.
             grad = tf.ensure_shape(grad, var.shape)
+        if position == 0:
+            self._rate_recorded = self._record_learning_rate(fn)
         self._trained_this_trace.append(var)
         if len(self._trained_this_trace) == len(self._raw_grads):
             self._register(list(self._trained_this_trace), fn)
+        if self._rate_recorded is not None:
+            # The engine reads the step's rate when its first gradient arrives.
+            with tf.control_dependencies([self._rate_recorded]):
+                grad = tf.identity(grad)
         with tf.device("/cpu:0"):
             _native.push_grad(var.handle, tf.cast(grad, var.dtype), key=var.native_key, step=self._step_value)
         return ()
+
+    def _record_learning_rate(self, update_fn):
+        """This step's learning rate, written where the engine reads it; None for
+        a schedule. The engine's pump reads a step's rate after its first
+        gradient, which can be after a callback already set the next epoch's
+        rate on the optimizer: so the step records its own, by step number."""
+        variable = _keras_compat.learning_rate_variable(_optimizer_of(update_fn))
+        if variable is None:
+            return None
+        if self._rates is None:
+            with tf.init_scope():
+                self._rates = tf.Variable(tf.zeros([RATE_SLOTS], tf.float64), trainable=False,
+                                          name="prophet_tf_learning_rates")
+        slot = tf.math.floormod(self._step_value, RATE_SLOTS)
+        rate = tf.cast(tf.convert_to_tensor(variable), tf.float64)
+        return self._rates.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(rate, [1]))
+
+    def _rate_of_step(self, step: int) -> float:
+        """The rate step ``step`` recorded (``_record_learning_rate``)."""
+        return float(self._rates.numpy()[step % RATE_SLOTS])
 
     def _register(self, trained: list[PSVariable], update_fn) -> None:
         """Starts training through the PS once the trained variables are known."""
@@ -260,7 +292,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             # Worker 0's values are every worker's version 0.
             initial = ({i: v.initial_numpy() for i, v in enumerate(trained)}
                        if self.engine.worker_id == 0 else None)
-            start = self.engine.start(trained, config, _learning_rate_reader(optimizer),
+            rates = self._rate_of_step if self._rates is not None else None
+            start = self.engine.start(trained, config, rates,
                                       resume_iteration=resume_step, initial_values=initial)
             if start:
                 if not traced:
@@ -297,11 +330,6 @@ def _reject_xla() -> None:
 def _is_plain_resource_variable(variable) -> bool:
     from tensorflow.python.ops import resource_variable_ops
     return type(variable) is resource_variable_ops.ResourceVariable
-
-
-def _learning_rate_reader(optimizer):
-    """Reads the optimizer's plain learning rate; None for a schedule (the PS runs it)."""
-    return _keras_compat.learning_rate_reader(optimizer)
 
 
 def _optimizer_of(update_fn):

@@ -105,7 +105,7 @@ class Engine:
     # -- start ---------------------------------------------------------------------------
 
     def start(self, variables: Sequence, optimizer_config: str,
-              learning_rate: Callable[[], float] | None = None, resume_iteration: int = 0,
+              learning_rate: Callable[[int], float] | None = None, resume_iteration: int = 0,
               initial_values: Mapping[int, np.ndarray] | None = None) -> int:
         """Registers the trained variables with every PS, stages the first version, starts threads.
 
@@ -114,10 +114,13 @@ class Engine:
             with ``native_key`` (its op-library key), ``shape``, ``dtype`` and a
             ``path`` or ``name``.
           optimizer_config: JSON the PS rebuilds the Keras optimizer from.
-          learning_rate: reads the worker optimizer's current learning rate
-            (None when it is a schedule, which the PS computes itself); read
-            when each iteration's first gradient arrives and sent with its
-            pushes, so callbacks that change it reach the PS.
+          learning_rate: ``learning_rate(k)`` is the rate iteration k trained
+            with (None when it is a schedule, which the PS computes itself);
+            read when iteration k's first gradient arrives and sent with its
+            pushes, so callbacks that change it reach the PS. It must be the
+            rate recorded by iteration k itself, not the optimizer's rate at
+            the time of the call: by then a callback may have set the next
+            epoch's.
           resume_iteration: iterations this worker's own state already trained
             (its optimizer's restored iteration count); 0 for a fresh start.
           initial_values: worker 0 only: each variable's initial value by
@@ -246,7 +249,8 @@ class Engine:
                 progress.report(step=grad.iteration + 1)  # For `prophet-tf launch`.
                 if self._learning_rate is not None:
                     with self._lock:
-                        self._learning_rates[grad.iteration] = float(self._learning_rate())
+                        self._learning_rates[grad.iteration] = float(
+                            self._learning_rate(grad.iteration))
                         self._learning_rates.pop(grad.iteration - 8, None)
                 for q in self._pull_queues:
                     q.put(grad.iteration + 1)

@@ -79,8 +79,12 @@ def test_removed_after_an_exception():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_removed_when_the_process_is_signalled(sig):
+    # A background job of a non-interactive shell starts with SIGINT ignored,
+    # and the network rightly keeps an ignored signal ignored: the child takes
+    # the default disposition, as a program started from a terminal has.
     code = textwrap.dedent("""
-        import time
+        import signal, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from prophet_tf.bench import netns
         with netns.EmulatedNetwork(2, 100) as net:
             print(" ".join([net.bridge_ns, *net.hosts]), flush=True)

@@ -26,7 +26,8 @@ from prophet_tf import keras_optimizer
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_autocast_variable", "is_optimizer", "is_tf_keras_optimizer",
-           "keras3_optimizer_config", "learning_rate_reader", "learning_rate_variable"]
+           "keras3_optimizer_config", "learning_rate_reader", "learning_rate_variable",
+           "closure_contents", "search_closures"]
 
 # tf_keras optimizers whose Keras 3 class of the same name applies the same update:
 # those the PS supports (prophet_tf.keras_optimizer), but Lamb, which tf_keras lacks.
@@ -169,6 +170,42 @@ def _plain(value):
     if isinstance(value, (np.ndarray, np.generic)):
         return value.tolist()
     return value
+
+
+def closure_contents(obj) -> list:
+    """What the closure cells of function ``obj`` hold (empty cells left out)."""
+    contents = []
+    for cell in getattr(obj, "__closure__", None) or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # An empty cell.
+            pass
+    return contents
+
+
+def search_closures(fn, match: Callable[[Any], Any], follow: Callable[[Any], bool] = None,
+                    limit: int = 32):
+    """The first non-None ``match(obj)`` over ``fn`` and what it wraps or closes over.
+
+    tf.distribute and autograph wrap the functions Keras hands a strategy, so
+    what is sought (the optimizer of an update, the model of a step) sits a
+    few levels deep: each object's ``__wrapped__`` and the contents of its
+    closure cells (those for which ``follow`` is true; default all) are
+    searched, at most ``limit`` objects. None when nothing matches.
+    """
+    pending, seen = [fn], set()
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen or len(seen) > limit:
+            continue
+        seen.add(id(obj))
+        found = match(obj)
+        if found is not None:
+            return found
+        if getattr(obj, "__wrapped__", None) is not None:
+            pending.append(obj.__wrapped__)
+        pending.extend(c for c in closure_contents(obj) if follow is None or follow(c))
+    return None
 
 
 def learning_rate_variable(optimizer):

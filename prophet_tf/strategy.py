@@ -338,21 +338,10 @@ def _optimizer_of(update_fn):
     tf.distribute wraps the function (autograph), so closures are searched a
     few levels deep.
     """
-    pending, seen = [update_fn], set()
-    while pending:
-        fn = pending.pop()
-        if id(fn) in seen or len(seen) > 32:
-            continue
-        seen.add(id(fn))
-        if _keras_compat.is_optimizer(fn):
-            return fn
-        if getattr(fn, "__wrapped__", None) is not None:
-            pending.append(fn.__wrapped__)
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                pending.append(cell.cell_contents)
-            except ValueError:  # An empty cell.
-                pass
+    optimizer = _keras_compat.search_closures(
+        update_fn, lambda obj: obj if _keras_compat.is_optimizer(obj) else None)
+    if optimizer is not None:
+        return optimizer
     raise ValueError("prophet_tf.Strategy trains with a Keras optimizer through "
                      f"model.compile/fit or optimizer.apply. Received: update function {update_fn!r}")
 

@@ -33,6 +33,8 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from prophet_tf import _keras_compat
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Exchange", "keras_step"]
@@ -52,33 +54,19 @@ def keras_step(fn):
     keras = sys.modules.get("keras")
     if keras is None:  # No Keras 3 model can exist.
         return None, None
-    pending, seen = [fn], set()
-    while pending:
-        f = pending.pop()
-        if id(f) in seen or len(seen) > 32:
-            continue
-        seen.add(id(f))
+
+    def step_of(f):
         owner = getattr(f, "__self__", None)
         if isinstance(owner, keras.Model) and getattr(f, "__name__", "") in _STEP_NAMES:
             return owner, f.__name__
         code = getattr(f, "__code__", None)
-        cells = [c for c in getattr(f, "__closure__", None) or ()]
         if code is not None and "predict_step" in code.co_names:
-            for cell in cells:
-                try:
-                    if isinstance(cell.cell_contents, keras.Model):
-                        return cell.cell_contents, "predict_step"
-                except ValueError:  # An empty cell.
-                    pass
-        if getattr(f, "__wrapped__", None) is not None:
-            pending.append(f.__wrapped__)
-        for cell in cells:
-            try:
-                if callable(cell.cell_contents):
-                    pending.append(cell.cell_contents)
-            except ValueError:
-                pass
-    return None, None
+            for content in _keras_compat.closure_contents(f):
+                if isinstance(content, keras.Model):
+                    return content, "predict_step"
+        return None
+
+    return _keras_compat.search_closures(fn, step_of, follow=callable) or (None, None)
 
 
 class Exchange:

@@ -252,6 +252,8 @@ def run_bench(args, out=sys.stdout) -> dict:
               f"transport instead (token bucket per worker connection, "
               f"PROPHET_TF_SHAPE_MBIT={args.bandwidth_mbit}); PS links are not shared and "
               f"tf-mwms is unshaped", file=out, flush=True)
+    # The namespaces' tbf counts TCP/IP headers; the transport's bucket does not.
+    framing = ideal_lib.TCP_FRAMING if shaping == "netns" else 1.0
     runs = {n: [] for n in ["compute"] + names}
     options: dict[str, dict] = {}  # scheduler -> its tuned options
     search: list[dict] = []
@@ -276,8 +278,7 @@ def run_bench(args, out=sys.stdout) -> dict:
                 for name in order:
                     if name == "bytescheduler" and "bytescheduler" not in options:
                         options["bytescheduler"], search = _tune_bytescheduler(
-                            args, runs["compute"], profile,
-                            "netns" if network else "transport", out)
+                            args, runs["compute"], profile, framing, out)
                     t0 = time.monotonic()
                     result = _run_once(cluster, name, args, workdir, shape_env,
                                        options.get(name))
@@ -299,8 +300,6 @@ def run_bench(args, out=sys.stdout) -> dict:
         compute_s = profile["compute_s"]
     else:
         compute_s = profile["compute_s"]
-    # The namespaces' tbf counts TCP/IP headers; the transport's bucket does not.
-    framing = ideal_lib.TCP_FRAMING if shaping == "netns" else 1.0
     bound = ideal_lib.ideal_step_time(profile, args.workers, args.ps, args.bandwidth_mbit,
                                       args.latency_ms, layout=args.layout, framing=framing)
     config = {"model": args.model, "workers": args.workers, "ps": args.ps,
@@ -329,7 +328,7 @@ def run_bench(args, out=sys.stdout) -> dict:
     return {"config": config, "results": results}
 
 
-def _tune_bytescheduler(args, compute_runs: list, profile: dict, shaping: str,
+def _tune_bytescheduler(args, compute_runs: list, profile: dict, framing: float,
                         out) -> tuple[dict, list]:
     """ByteScheduler's partition size and credit for this configuration
     (``tuning.py``), from this bench's measured profile when it has one."""
@@ -339,7 +338,7 @@ def _tune_bytescheduler(args, compute_runs: list, profile: dict, shaping: str,
         profile = compute_runs[0]["reports"][0]["profile"]
     chosen, rows = tuning.tune_bytescheduler(
         profile, args.workers, args.ps, args.bandwidth_mbit, latency_ms=args.latency_ms,
-        layout=args.layout, framing=ideal_lib.TCP_FRAMING if shaping == "netns" else 1.0)
+        layout=args.layout, framing=framing)
     print(f"prophet-tf bench: bytescheduler tuned over {len(rows)} settings (simulated): "
           f"partition_bytes={chosen['partition_bytes']}, credit_bytes={chosen['credit_bytes']}",
           file=out, flush=True)

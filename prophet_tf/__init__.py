@@ -9,7 +9,11 @@ with gradient traffic scheduled by Prophet.
 
 __version__ = "0.1.0"
 
-__all__ = ["Strategy", "ops_available", "__version__"]
+__all__ = ["Strategy", "ops_available", "evaluate_checkpoints", "mark_training_done",
+           "__version__"]
+
+# The evaluator task's API imports neither TensorFlow nor grpc at import.
+from prophet_tf.evaluator import evaluate_checkpoints, mark_training_done  # noqa: E402
 
 
 def __getattr__(name):

@@ -22,6 +22,12 @@ other users of either host could read it in the process list. The remote
 side reads it, then watches its standard input: when this script stops a
 task (or dies), ssh closes and the remote command gets SIGTERM.
 
+``--workers-per-host N`` (one worker per GPU): every ``worker`` line stands
+for N workers on that host, on PORT, PORT+1, ..., PORT+N-1, numbered line by
+line; the j-th gets ``CUDA_VISIBLE_DEVICES=j`` (or the j-th entry of an
+``--env CUDA_VISIBLE_DEVICES=LIST``) and every PS task
+``CUDA_VISIBLE_DEVICES=""``, so that it takes no GPU memory.
+
 ``--dry-run`` prints each host's TF_CONFIG and command and runs nothing.
 ``--local`` runs the same commands on this machine through ``sh`` instead of
 ssh, with every address replaced by 127.0.0.1 and a free port: a rehearsal
@@ -33,6 +39,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -45,6 +52,9 @@ import time
 ROLES = ("ps", "worker")
 DEFAULT_PORT = 2222
 TOKEN_ENV = "PROPHET_TF_TOKEN"
+CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+# What CUDA accepts in CUDA_VISIBLE_DEVICES: an index, or a GPU or MIG UUID (or its prefix).
+_CUDA_DEVICE = re.compile(r"^(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-zA-Z/-]+)$")
 
 
 @dataclasses.dataclass
@@ -55,18 +65,59 @@ class Host:
     role: str
     address: str
     index: int = 0
+    device: str | None = None  # its CUDA_VISIBLE_DEVICES; None: left as the host has it
 
     @property
     def name(self) -> str:
         return f"{self.target} {self.role} {self.index}"
 
 
-def parse_hosts(text: str, default_port: int = DEFAULT_PORT) -> list[Host]:
+def worker_devices(workers_per_host: int, visible: str | None = None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES of a host's workers 0..N-1, one GPU each: the
+    first N entries of `visible` (an ``--env CUDA_VISIBLE_DEVICES``), else 0..N-1.
+
+    Raises:
+      ValueError: N < 1; `visible` empty, malformed, naming a device twice or fewer than N.
+    """
+    if isinstance(workers_per_host, bool) or not isinstance(workers_per_host, int) or \
+            workers_per_host < 1:
+        raise ValueError("--workers-per-host must be an integer >= 1. "
+                         f"Received: --workers-per-host {workers_per_host!r}")
+    if visible is None:
+        return [str(j) for j in range(workers_per_host)]
+    received = f"Received: --env {CUDA_DEVICES_ENV}={visible}, --workers-per-host " \
+               f"{workers_per_host}"
+    devices = [d.strip() for d in visible.split(",")]
+    if not visible.strip():
+        raise ValueError(f"an empty {CUDA_DEVICES_ENV} hides every GPU. {received}")
+    for device in devices:
+        if not _CUDA_DEVICE.match(device):
+            raise ValueError(f"{CUDA_DEVICES_ENV} must be a comma-separated list of GPU indices "
+                             f"or UUIDs, e.g. 0,1,3; {device!r} is neither. {received}")
+    if len(set(devices)) < len(devices):
+        raise ValueError(f"{CUDA_DEVICES_ENV} names a device twice; one worker per GPU needs "
+                         f"distinct devices. {received}")
+    if len(devices) < workers_per_host:
+        raise ValueError(f"{workers_per_host} workers per host need {workers_per_host} devices "
+                         f"but {CUDA_DEVICES_ENV} names {len(devices)}. {received}")
+    return devices[:workers_per_host]
+
+
+def parse_hosts(text: str, default_port: int = DEFAULT_PORT,
+                devices: list[str] | None = None) -> list[Host]:
     """Reads a hosts file's content.
+
+    Args:
+      text: the file's content.
+      default_port: the port of an address given without one.
+      devices: one worker per GPU (see `worker_devices`): every worker line
+        stands for len(devices) workers on ports PORT.. PORT+len-1, the j-th
+        with CUDA_VISIBLE_DEVICES=devices[j]; PS tasks get "". None: one
+        worker per line, CUDA_VISIBLE_DEVICES left alone.
 
     Raises:
       ValueError: a malformed line (with its number), an unknown role, a
-        duplicate address, or no ps / no worker.
+        duplicate address, a port past 65535, or no ps / no worker.
     """
     hosts: list[Host] = []
     for number, raw in enumerate(text.splitlines(), 1):
@@ -87,7 +138,18 @@ def parse_hosts(text: str, default_port: int = DEFAULT_PORT) -> list[Host]:
             address = f"{address}:{default_port}"
         elif not 0 < int(port) < 65536:
             raise ValueError(f"hosts file line {number}: bad port. Received: {address!r}")
-        hosts.append(Host(target, role, address))
+        if devices is None:
+            hosts.append(Host(target, role, address))
+        elif role == "ps":
+            hosts.append(Host(target, role, address, device=""))  # A PS needs no GPU memory.
+        else:
+            host, _, port = address.rpartition(":")
+            last = int(port) + len(devices) - 1
+            if last > 65535:
+                raise ValueError(f"hosts file line {number}: {len(devices)} workers per host "
+                                 f"need ports {port}..{last}, past 65535. Received: {address!r}")
+            hosts += [Host(target, role, f"{host}:{int(port) + j}", device=device)
+                      for j, device in enumerate(devices)]
     for role in ROLES:
         tasks = [h for h in hosts if h.role == role]
         if not tasks:
@@ -119,6 +181,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def task_env(host: Host, env: dict[str, str]) -> dict[str, str]:
+    """The extra environment of `host`'s task: `env`, then its own CUDA_VISIBLE_DEVICES."""
+    return env if host.device is None else {**env, CUDA_DEVICES_ENV: host.device}
 
 
 def remote_script(command: list[str], tf_config: dict, cwd: str | None,
@@ -204,7 +271,7 @@ def run(hosts: list[Host], command: list[str], *, token: str, cwd: str | None,
     try:
         for h in sorted(hosts, key=lambda h: h.role != "ps"):  # PS tasks first.
             task_command = [python, "-m", "prophet_tf", "ps"] if h.role == "ps" else command
-            script = remote_script(task_command, configs[h.name], cwd, env)
+            script = remote_script(task_command, configs[h.name], cwd, task_env(h, env))
             tasks.append(_Task(h, host_argv(h, script, local, ssh), token, out))
         workers = [t for t in tasks if t.host.role == "worker"]
         while not stopping.is_set():
@@ -237,8 +304,9 @@ def dry_run(hosts: list[Host], command: list[str], *, cwd: str | None, python: s
     configs = tf_configs(hosts)
     for h in sorted(hosts, key=lambda h: h.role != "ps"):
         task_command = [python, "-m", "prophet_tf", "ps"] if h.role == "ps" else command
-        script = remote_script(task_command, configs[h.name], cwd, env)
-        print(f"# {h.name}: dials {h.address}", file=out)
+        script = remote_script(task_command, configs[h.name], cwd, task_env(h, env))
+        device = "" if h.device is None else f"; {CUDA_DEVICES_ENV}={shlex.quote(h.device)}"
+        print(f"# {h.name}: dials {h.address}{device}", file=out)
         print(f"# TF_CONFIG={json.dumps(configs[h.name])}", file=out)
         print(f"# stdin: the token ({TOKEN_ENV}), one line", file=out)
         print(shlex.join(host_argv(h, script, local, ssh)), file=out)
@@ -267,11 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:split], argv[split + 1:]
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        usage="launch_ec2.py HOSTS [options] -- WORKER_COMMAND [ARGS]",
+        usage="launch_ec2.py HOSTS [--workers-per-host N] [options] -- WORKER_COMMAND [ARGS]",
         epilog="See examples/ec2/README.md for the hosts file, security group and token.")
     parser.add_argument("hosts", help="hosts file: SSH_TARGET ROLE [ADDRESS[:PORT]] per line")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help=f"port of an address given without one (default {DEFAULT_PORT})")
+    parser.add_argument("--workers-per-host", type=int, default=None, metavar="N",
+                        help="one worker per GPU: each worker line starts N workers on PORT.."
+                             "PORT+N-1, the j-th with CUDA_VISIBLE_DEVICES=j (or the j-th entry "
+                             "of --env CUDA_VISIBLE_DEVICES=LIST); PS tasks get "
+                             "CUDA_VISIBLE_DEVICES=\"\"")
     parser.add_argument("--cwd", default=None,
                         help="directory to cd into on each host (the checkout)")
     parser.add_argument("--python", default=None,
@@ -293,14 +366,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not command:
             raise ValueError("no worker command given; put it after `--`. Received: []")
-        with open(args.hosts) as f:
-            hosts = parse_hosts(f.read(), args.port)
         env = {}
         for item in args.env:
             name, sep, value = item.partition("=")
             if not sep or not name.isidentifier():
                 raise ValueError(f"--env takes NAME=VALUE. Received: --env {item}")
             env[name] = value
+        devices = None
+        if args.workers_per_host is not None:
+            # The list, if given, is split among each host's workers: no task gets all of it.
+            devices = worker_devices(args.workers_per_host, env.pop(CUDA_DEVICES_ENV, None))
+        with open(args.hosts) as f:
+            hosts = parse_hosts(f.read(), args.port, devices)
         if args.local:
             hosts = localize(hosts)
         python = args.python or (sys.executable if args.local else "python3")

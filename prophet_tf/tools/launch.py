@@ -1,6 +1,7 @@
 """`prophet-tf launch`: a whole cluster on this machine.
 
     prophet-tf launch --workers 2 --ps 1 [--scheduler fifo] -- python train.py
+    prophet-tf launch --gpus 4 --ps 1 -- python train.py     # one worker per GPU
 
 Starts M PS tasks on free ports, waits until each reports SERVING on the
 standard gRPC health service, then starts N copies of CMD, each with its own
@@ -16,6 +17,14 @@ failed cluster is stopped and started again, PS tasks included, up to K
 times. ``--checkpoint-dir D`` gives PS task i ``--checkpoint-dir D/ps-<i>``.
 Tasks get TF_CPP_MIN_LOG_LEVEL=2 unless it is set, and TensorFlow's start-up
 banners are dropped from the output of a task whose level hides them.
+
+With ``--gpus N`` this host has N GPUs and runs one worker on each (N
+workers unless ``--workers`` says so too, which must then be N): worker i
+gets ``CUDA_VISIBLE_DEVICES`` naming one device, the i-th entry of the
+caller's CUDA_VISIBLE_DEVICES if it is set (the first N are used), else i.
+PS tasks get CUDA_VISIBLE_DEVICES="" so that they take no GPU memory. Bad
+input (N < 1, another number of workers, a malformed or too short
+CUDA_VISIBLE_DEVICES) is rejected before anything starts.
 """
 from __future__ import annotations
 
@@ -50,6 +59,47 @@ _STARTUP_BANNERS = (re.compile(rb"^WARNING: All log messages before absl::Initia
                                rb"is called are written to STDERR\r?$"),
                     re.compile(rb"^I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations "
                                rb"are on\."))
+CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+# What CUDA accepts in CUDA_VISIBLE_DEVICES: an index, or a GPU or MIG UUID (or its prefix).
+_CUDA_DEVICE = re.compile(r"^(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-zA-Z/-]+)$")
+
+
+def gpu_devices(num_gpus: int, visible: str | None) -> list[str]:
+    """The device of each of `num_gpus` workers, one per GPU.
+
+    Args:
+      num_gpus: how many GPUs (and workers).
+      visible: the caller's CUDA_VISIBLE_DEVICES, or None when it is unset.
+
+    Returns:
+      The first `num_gpus` entries of `visible`, else "0".."num_gpus-1".
+
+    Raises:
+      ValueError: num_gpus < 1; `visible` empty, malformed, naming a device
+        twice, or naming fewer than `num_gpus` devices.
+    """
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ValueError(f"--gpus must be an integer >= 1. Received: --gpus {num_gpus!r}")
+    if visible is None:
+        return [str(i) for i in range(num_gpus)]
+    received = f"Received: {CUDA_DEVICES_ENV}={visible!r}, --gpus {num_gpus}"
+    if not visible.strip():
+        # CUDA reads an empty list as "no GPU", so no worker would get one.
+        raise ValueError(f"{CUDA_DEVICES_ENV} is set but empty, which hides every GPU; unset it "
+                         f"or list the GPUs to use. {received}")
+    devices = [d.strip() for d in visible.split(",")]
+    for device in devices:
+        if not _CUDA_DEVICE.match(device):
+            raise ValueError(f"{CUDA_DEVICES_ENV} must be a comma-separated list of GPU indices "
+                             f"or UUIDs, e.g. 0,1,3; {device!r} is neither. {received}")
+    duplicates = sorted({d for d in devices if devices.count(d) > 1})
+    if duplicates:
+        raise ValueError(f"{CUDA_DEVICES_ENV} names a device twice ({', '.join(duplicates)}); "
+                         f"one worker per GPU needs distinct devices. {received}")
+    if len(devices) < num_gpus:
+        raise ValueError(f"--gpus {num_gpus} needs {num_gpus} devices but {CUDA_DEVICES_ENV} "
+                         f"names {len(devices)}. {received}")
+    return devices[:num_gpus]
 
 
 def _check_executable(program: str, env: dict[str, str]) -> None:
@@ -158,7 +208,7 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
            restarts: int = 0, checkpoint_dir: str | None = None,
            checkpoint_steps: int | None = None, checkpoint_secs: float | None = None,
            log_level: str | None = None, progress_interval_s: float = 10.0,
-           verbose: bool = True) -> int:
+           verbose: bool = True, gpus: int | None = None) -> int:
     """Runs the cluster to completion; returns the exit code (see module doc).
 
     Args:
@@ -177,6 +227,10 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
       progress_interval_s: at most one progress line per training worker in
         this time unless its epoch changes; 0 prints state changes only.
       verbose: print state changes (False: failures and summaries only).
+      gpus: this host's number of GPUs, one worker on each (num_workers must
+        equal it): worker i gets CUDA_VISIBLE_DEVICES=gpu_devices(...)[i],
+        from this process's CUDA_VISIBLE_DEVICES; PS tasks get "". None:
+        CUDA_VISIBLE_DEVICES is left as it is.
 
     Raises:
       ValueError: a bad argument, before anything starts.
@@ -190,6 +244,12 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
     if progress_interval_s < 0:
         raise ValueError("progress_interval_s must be >= 0. "
                          f"Received: progress_interval_s={progress_interval_s!r}")
+    devices = None
+    if gpus is not None:
+        devices = gpu_devices(gpus, os.environ.get(CUDA_DEVICES_ENV))
+        if num_workers != gpus:
+            raise ValueError(f"--gpus runs one worker per GPU: give --workers {gpus} or leave it "
+                             f"out. Received: --workers {num_workers}, --gpus {gpus}")
     if num_workers < 1 or num_ps < 1:
         raise ValueError(f"need at least one worker and one ps. Received: workers={num_workers}, "
                          f"ps={num_ps}")
@@ -213,8 +273,13 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
     if log_level is not None:
         base_env[LOG_LEVEL_ENV] = log_level
     ps_flags = _checkpoint_flags(checkpoint_dir, checkpoint_steps, checkpoint_secs)
+    if devices is not None:
+        logger.info("one worker per GPU: %s; PS tasks: %s=\"\"", ", ".join(
+            f"worker {i} on {CUDA_DEVICES_ENV}={d}" for i, d in enumerate(devices)),
+            CUDA_DEVICES_ENV)
     cluster = _Cluster(command, num_workers, num_ps, scheduler, host, startup_timeout_s, out,
-                       base_env, client_security, ps_flags, progress_interval_s, verbose)
+                       base_env, client_security, ps_flags, progress_interval_s, verbose,
+                       devices)
     attempts = restarts + 1
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -258,12 +323,14 @@ class _Cluster:
     """Everything needed to start the cluster; `run` starts one attempt."""
 
     def __init__(self, command, num_workers, num_ps, scheduler, host, startup_timeout_s, out,
-                 base_env, client_security, ps_flags, progress_interval_s, verbose):
+                 base_env, client_security, ps_flags, progress_interval_s, verbose,
+                 devices=None):
         self.command, self.num_workers, self.num_ps = command, num_workers, num_ps
         self.scheduler, self.host, self.startup_timeout_s = scheduler, host, startup_timeout_s
         self.out, self.base_env, self.client_security = out, base_env, client_security
         self.ps_flags, self.progress_interval_s = ps_flags, progress_interval_s
         self.verbose = verbose
+        self.devices = devices  # worker i's CUDA_VISIBLE_DEVICES; None: left alone
 
     def run(self, stopping: threading.Event, attempt: int | None) -> tuple[int, str]:
         """Starts the PS tasks, then the workers, and supervises them until the end.
@@ -283,7 +350,10 @@ class _Cluster:
                     argv = [sys.executable, "-m", "prophet_tf", "ps", "--host", host, "--port",
                             "0", "--num-workers", str(num_workers), "--ps-index", str(i),
                             "--num-ps", str(num_ps), "--port-file", port_file, *self.ps_flags(i)]
-                    tasks.append(Task(f"ps {i}", argv, dict(self.base_env), self.out))
+                    env = dict(self.base_env)
+                    if self.devices is not None:
+                        env[CUDA_DEVICES_ENV] = ""  # A PS computes on the CPU: no GPU memory.
+                    tasks.append(Task(f"ps {i}", argv, env, self.out))
                     board.add(tasks[-1].name, "ps")
                     ps_addresses.append((tasks[-1], port_file))
                 addresses = []
@@ -306,6 +376,8 @@ class _Cluster:
                     env[progress.STATUS_FILE_ENV] = os.path.join(tmp, f"worker-{i}.status.json")
                     if self.scheduler:
                         env["PROPHET_TF_SCHEDULER"] = self.scheduler
+                    if self.devices is not None:
+                        env[CUDA_DEVICES_ENV] = self.devices[i]
                     worker_tasks.append(Task(f"worker {i}", list(self.command), env, self.out))
                     board.add(worker_tasks[-1].name, "worker")
                 tasks.extend(worker_tasks)
@@ -375,9 +447,15 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:split], argv[split + 1:]
     parser = argparse.ArgumentParser(
         prog="prophet-tf launch", description=__doc__.split("\n\n")[0],
-        usage="prophet-tf launch --workers N --ps M [--scheduler S] [--restart K] "
-              "[--checkpoint-dir D] [--log-level L] -- CMD [ARGS]")
-    parser.add_argument("--workers", type=int, required=True, help="number of worker processes")
+        usage="prophet-tf launch (--workers N | --gpus N) [--ps M] [--scheduler S] "
+              "[--restart K] [--checkpoint-dir D] [--log-level L] -- CMD [ARGS]")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="number of worker processes (required unless --gpus gives it)")
+    parser.add_argument("--gpus", type=int, default=None, metavar="N",
+                        help="this host has N GPUs: run N workers, one per GPU. Worker i gets "
+                             f"{CUDA_DEVICES_ENV}=the i-th entry of ${CUDA_DEVICES_ENV} if set, "
+                             f"else i; PS tasks get {CUDA_DEVICES_ENV}=\"\" (--workers, if "
+                             "given, must be N)")
     parser.add_argument("--ps", type=int, default=1, help="number of PS tasks (default 1)")
     parser.add_argument("--scheduler", default=None,
                         help="gradient scheduler for every worker (sets PROPHET_TF_SCHEDULER)")
@@ -404,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                              "unless its epoch changes; 0: state changes only (default 10)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if args.workers is None and args.gpus is None:
+        parser.error("the following arguments are required: --workers (or --gpus N: one worker "
+                     "per GPU). Received neither")
     if args.restart < 0:
         parser.error(f"--restart must be >= 0. Received: --restart={args.restart}")
     if args.progress_interval < 0:
@@ -413,13 +494,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.scheduler is not None:
             from prophet_tf.engine.schedulers import validate_scheduler
             validate_scheduler(args.scheduler)
-        return launch(command, args.workers, args.ps, args.scheduler, args.host,
+        num_workers = args.gpus if args.workers is None else args.workers
+        return launch(command, num_workers, args.ps, args.scheduler, args.host,
                       args.startup_timeout, restarts=args.restart,
                       checkpoint_dir=args.checkpoint_dir,
                       checkpoint_steps=args.checkpoint_steps,
                       checkpoint_secs=args.checkpoint_secs, log_level=args.log_level,
                       progress_interval_s=args.progress_interval,
-                      verbose=logging.getLevelName(args.log_level) <= logging.INFO)
+                      verbose=logging.getLevelName(args.log_level) <= logging.INFO,
+                      gpus=args.gpus)
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"prophet-tf launch: {e}", file=sys.stderr)
         return 2

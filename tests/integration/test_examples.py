@@ -147,6 +147,47 @@ def test_multi_host_tf_config(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_multi_host_tf_config_workers_per_host(capsys):
+    tf_config = _module(EXAMPLES / "multi_host" / "tf_config.py", "tf_config_example")
+    hosts = ["--ps", "10.0.0.11:2222,10.0.0.12:2222", "--worker", "10.0.0.11:2223,10.0.0.12:2223",
+             "--workers-per-host", "2"]
+    workers = ["10.0.0.11:2223", "10.0.0.11:2224", "10.0.0.12:2223", "10.0.0.12:2224"]
+    cluster = {"ps": ["10.0.0.11:2222", "10.0.0.12:2222"], "worker": workers}
+    # Worker i is the (i mod 2)-th on its host: GPU i mod 2; a PS sees no GPU.
+    for task, device in (("worker:0", "0"), ("worker:1", "1"), ("worker:2", "0"),
+                         ("worker:3", "1"), ("ps:1", "")):
+        task_type, index = task.split(":")
+        env = tf_config.task_environment(cluster["ps"], ["10.0.0.11:2223", "10.0.0.12:2223"], 2,
+                                         task_type, int(index))
+        assert json.loads(env["TF_CONFIG"]) == {
+            "cluster": cluster, "task": {"type": task_type, "index": int(index)}}
+        assert env["CUDA_VISIBLE_DEVICES"] == device, task
+    # What a user runs: the printed lines, eval'd by a shell, set both variables.
+    shown = subprocess.run(
+        ["sh", "-c", 'eval "$("$0" "$@")" && printf "%s\\n%s|\\n" "$TF_CONFIG" '
+         '"$CUDA_VISIBLE_DEVICES"', sys.executable,
+         str(EXAMPLES / "multi_host" / "tf_config.py"), *hosts, "--task", "worker:3"],
+        capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    config, device = shown.stdout.splitlines()
+    assert json.loads(config) == {"cluster": cluster, "task": {"type": "worker", "index": 3}}
+    assert device == "1|"
+    assert tf_config.main([*hosts, "--task", "ps:0"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "export CUDA_VISIBLE_DEVICES=''"
+    for argv, message in (
+            (["--ps", "a:1", "--worker", "b:1", "--workers-per-host", "0", "--task", "worker:0"],
+             "Received: 0"),
+            (["--ps", "a:1", "--worker", "b:65535", "--workers-per-host", "2", "--task", "ps:0"],
+             "ports 65535..65536 on b, past 65535. Received: 'b:65535'"),
+            (["--ps", "b:2224", "--worker", "b:2223", "--workers-per-host", "2", "--task",
+              "ps:0"], "cannot share an address (workers on host:PORT..PORT+1). Received: "
+                       "['b:2224']"),
+            (["--ps", "a:1", "--worker", "b:1", "--workers-per-host", "2", "--task", "worker:2"],
+             "worker:0..1). Received: worker:2")):
+        assert tf_config.main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
 # -- ec2/launch_ec2.py -----------------------------------------------------------------------
 
 LAUNCH_EC2 = EXAMPLES / "ec2" / "launch_ec2.py"
@@ -194,6 +235,49 @@ def test_ec2_bad_hosts(ec2, text, message):
         ec2.parse_hosts(text)
 
 
+def test_ec2_workers_per_host_hosts(ec2):
+    hosts = ec2.parse_hosts(HOSTS, devices=ec2.worker_devices(2))
+    assert [(h.target, h.role, h.index, h.address, h.device) for h in hosts] == [
+        ("ubuntu@ec2-a.example.com", "ps", 0, "10.0.0.11:2222", ""),
+        ("ubuntu@ec2-b.example.com", "worker", 0, "10.0.0.12:2230", "0"),
+        ("ubuntu@ec2-b.example.com", "worker", 1, "10.0.0.12:2231", "1"),
+        ("ec2-c.example.com", "worker", 2, "ec2-c.example.com:2222", "0"),
+        ("ec2-c.example.com", "worker", 3, "ec2-c.example.com:2223", "1")]
+    assert ec2.tf_configs(hosts)["ec2-c.example.com worker 3"]["cluster"]["worker"] == [
+        "10.0.0.12:2230", "10.0.0.12:2231", "ec2-c.example.com:2222", "ec2-c.example.com:2223"]
+    # A list given with --env is split among each host's workers, the first N entries.
+    assert ec2.worker_devices(2, "5,GPU-8932f937, 3") == ["5", "GPU-8932f937"]
+    local = ec2.localize(hosts)
+    assert [h.device for h in local] == ["", "0", "1", "0", "1"]
+    assert len({h.address for h in local}) == 5
+    # Without the option nothing changes: one worker a line, the hosts' own devices.
+    assert all(h.device is None for h in ec2.parse_hosts(HOSTS))
+    assert ec2.task_env(ec2.parse_hosts(HOSTS)[1], {"A": "1"}) == {"A": "1"}
+
+
+@pytest.mark.parametrize("workers_per_host, visible, message", [
+    (0, None, "--workers-per-host must be an integer >= 1. Received: --workers-per-host 0"),
+    (3, "1,2", "3 workers per host need 3 devices but CUDA_VISIBLE_DEVICES names 2. Received: "
+               "--env CUDA_VISIBLE_DEVICES=1,2, --workers-per-host 3"),
+    (2, "1,,2", "'' is neither"),
+    (2, "-1", "'-1' is neither"),
+    (2, "1,1", "names a device twice"),
+    (1, "", "an empty CUDA_VISIBLE_DEVICES hides every GPU"),
+])
+def test_ec2_bad_devices(ec2, workers_per_host, visible, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ec2.worker_devices(workers_per_host, visible)
+
+
+def test_ec2_workers_per_host_address_clashes(ec2):
+    with pytest.raises(ValueError, match=re.escape("line 2: 2 workers per host need ports "
+                                                   "65535..65536, past 65535")):
+        ec2.parse_hosts("a ps\nb worker b:65535\n", devices=["0", "1"])
+    with pytest.raises(ValueError, match=re.escape("cannot share an address. Received: "
+                                                   "['a:2224']")):
+        ec2.parse_hosts("a ps a:2224\na worker a:2223\n", devices=["0", "1"])
+
+
 def _ec2(*args, timeout=60, **env):
     return subprocess.run([sys.executable, str(LAUNCH_EC2), *args], env=_env(**env), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
@@ -226,6 +310,84 @@ def test_ec2_dry_run(tmp_path):
         assert ("python3 -m prophet_tf ps" if role == "ps"
                 else "python3 examples/train_digits.py --epochs 2") in block
         assert "IFS= read -r PROPHET_TF_TOKEN" in block
+
+
+@pytest.mark.timeout(60)
+def test_ec2_dry_run_workers_per_host(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(HOSTS)
+    result = _ec2(str(hosts), "--workers-per-host", "2", "--env", "CUDA_VISIBLE_DEVICES=4,6",
+                  "--dry-run", "--", "python3", "train.py")
+    assert result.returncode == 0, result.stderr
+    blocks = [b for b in result.stdout.split("\n\n") if b.strip()]
+    assert [b.splitlines()[0] for b in blocks] == [
+        "# ubuntu@ec2-a.example.com ps 0: dials 10.0.0.11:2222; CUDA_VISIBLE_DEVICES=''",
+        "# ubuntu@ec2-b.example.com worker 0: dials 10.0.0.12:2230; CUDA_VISIBLE_DEVICES=4",
+        "# ubuntu@ec2-b.example.com worker 1: dials 10.0.0.12:2231; CUDA_VISIBLE_DEVICES=6",
+        "# ec2-c.example.com worker 2: dials ec2-c.example.com:2222; CUDA_VISIBLE_DEVICES=4",
+        "# ec2-c.example.com worker 3: dials ec2-c.example.com:2223; CUDA_VISIBLE_DEVICES=6"]
+    # The task's own value is in its command; the whole list is in none.
+    for block, device in zip(blocks, ["", "4", "6", "4", "6"]):
+        assert f" CUDA_VISIBLE_DEVICES={device} " in block
+        assert "4,6" not in block
+
+
+@pytest.mark.timeout(60)
+def test_ec2_bad_workers_per_host(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(HOSTS)
+    result = _ec2(str(hosts), "--workers-per-host", "0", "--dry-run", "--", "true")
+    assert result.returncode == 2
+    assert "Received: --workers-per-host 0" in result.stderr
+    result = _ec2(str(hosts), "--workers-per-host", "2", "--env", "CUDA_VISIBLE_DEVICES=7",
+                  "--dry-run", "--", "true")
+    assert result.returncode == 2
+    assert "Received: --env CUDA_VISIBLE_DEVICES=7, --workers-per-host 2" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+# Reports its CUDA_VISIBLE_DEVICES and those of its cluster's PS tasks, found by TF_CONFIG.
+DEVICE_WORKER = """\
+import json, os, time
+config = json.loads(os.environ["TF_CONFIG"])
+ps = {}
+deadline = time.monotonic() + 60
+while len(ps) < len(config["cluster"]["ps"]) and time.monotonic() < deadline:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
+        try:
+            theirs = json.loads(env.get("TF_CONFIG", "null"))
+        except ValueError:
+            continue
+        if theirs and theirs["cluster"] == config["cluster"] and theirs["task"]["type"] == "ps":
+            ps[theirs["task"]["index"]] = env.get("CUDA_VISIBLE_DEVICES")
+    time.sleep(0.1)
+print("REPORT " + json.dumps({"index": config["task"]["index"],
+                              "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "ps": ps}),
+      flush=True)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_ec2_local_workers_per_host_get_their_devices(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a ps\na worker a:2223\nb ps\nb worker b:2223\n")
+    script = tmp_path / "w.py"
+    script.write_text(DEVICE_WORKER)
+    result = _ec2(str(hosts), "--local", "--workers-per-host", "2", "--grace", "10", "--",
+                  sys.executable, str(script), timeout=180, CUDA_VISIBLE_DEVICES="9")
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = {int(m[1]): json.loads(m[2]) for m in _lines(
+        result.stdout, r"^\[localhost worker (\d)\] REPORT (.*)$")}
+    assert sorted(reports) == [0, 1, 2, 3], result.stdout
+    # Two hosts' workers 0 and 1 each; the caller's CUDA_VISIBLE_DEVICES reaches no task.
+    assert [reports[i]["cuda"] for i in range(4)] == ["0", "1", "0", "1"]
+    for report in reports.values():
+        assert report["ps"] == {"0": "", "1": ""}, report
 
 
 @pytest.mark.timeout(60)
@@ -281,3 +443,161 @@ def test_ec2_local_failure_stops_everyone(tmp_path):
     while os.path.exists(f"/proc/{sleeper}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{sleeper}")  # stopped through its closed stdin
+
+
+# -- kubernetes/: the TFJob manifest -----------------------------------------------------------
+
+KUBERNETES = EXAMPLES / "kubernetes"
+
+
+def _yaml(text: str):
+    """The block YAML the manifests are written in (PyYAML is no dependency): mappings,
+    sequences, `- key: value` items, JSON-style flow lists and quoted strings, comments."""
+    lines = []
+    for raw in text.splitlines():
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#") or stripped == "---":
+            continue
+        assert " #" not in stripped, f"trailing comments are not read here: {raw!r}"
+        lines.append([len(raw) - len(raw.lstrip(" ")), stripped])
+
+    def scalar(text):
+        if text[0] in '["{':
+            return json.loads(text)
+        if text.isdigit():
+            return int(text)
+        return {"true": True, "false": False}.get(text, text)
+
+    def block(i, indent):
+        if lines[i][1].startswith("- "):
+            items = []
+            while i < len(lines) and lines[i][0] == indent and lines[i][1].startswith("- "):
+                rest = lines[i][1][2:].strip()
+                if re.match(r"^[\w.-]+:( |$)", rest):  # a mapping whose first key is here
+                    lines[i] = [indent + 2, rest]
+                    value, i = block(i, indent + 2)
+                else:
+                    value, i = scalar(rest), i + 1
+                items.append(value)
+            return items, i
+        mapping = {}
+        while i < len(lines) and lines[i][0] == indent:
+            key, _, rest = lines[i][1].partition(":")
+            assert re.match(r"^[\w.-]+$", key), f"not a key: {lines[i][1]!r}"
+            i += 1
+            if rest.strip():
+                mapping[key] = scalar(rest.strip())
+            elif i < len(lines) and (lines[i][0] > indent or lines[i][1].startswith("- ")):
+                mapping[key], i = block(i, lines[i][0])
+            else:
+                mapping[key] = None
+        assert i == len(lines) or lines[i][0] < indent, f"bad indentation: {lines[i]}"
+        return mapping, i
+
+    value, end = block(0, lines[0][0])
+    assert end == len(lines)
+    return value
+
+
+def _operator_tf_config(job: dict, kind: str, index: int, namespace: str = "ml") -> str:
+    """TF_CONFIG as the training operator builds it from the TFJob: every replica type, lower
+    case, "<job>-<type>-<i>.<namespace>.svc:<tfjob-port>" (tests/unit/test_cluster.py)."""
+    cluster = {}
+    for replica, spec in job["spec"]["tfReplicaSpecs"].items():
+        container = next(c for c in spec["template"]["spec"]["containers"]
+                         if c["name"] == "tensorflow")
+        port = next((p["containerPort"] for p in container.get("ports", [])
+                     if p["name"] == "tfjob-port"), 2222)
+        cluster[replica.lower()] = [f"{job['metadata']['name']}-{replica.lower()}-{i}."
+                                    f"{namespace}.svc:{port}" for i in range(spec["replicas"])]
+    return json.dumps({"cluster": dict(sorted(cluster.items())),
+                       "task": {"type": kind, "index": index}, "environment": "cloud"})
+
+
+def test_yaml_reader():
+    assert _yaml("a:\n  b: 1\n  c: [\"x\", \"y\"]\nd:\n  - e: f\n    g: \"h: i\"\n  - j\n"
+                 "k:\n- 2\n") == {"a": {"b": 1, "c": ["x", "y"]},
+                                  "d": [{"e": "f", "g": "h: i"}, "j"], "k": [2]}
+
+
+def test_kubernetes_tfjob_agrees_with_its_readme(monkeypatch):
+    from prophet_tf import cluster
+    from prophet_tf.ps import server
+
+    job = _yaml((KUBERNETES / "tfjob.yaml").read_text())
+    claim = _yaml((KUBERNETES / "checkpoints.yaml").read_text())
+    readme = (KUBERNETES / "README.md").read_text()
+    dockerfile = (KUBERNETES / "Dockerfile").read_text()
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "TFJob")
+    name, specs = job["metadata"]["name"], job["spec"]["tfReplicaSpecs"]
+    assert job["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"  # stops the PS pods
+    assert sorted(specs) == ["Chief", "Evaluator", "PS", "Worker"]
+    replicas = {kind: spec["replicas"] for kind, spec in specs.items()}
+    # One PS task per worker pod, as the README's tables say.
+    assert replicas["PS"] == replicas["Chief"] + replicas["Worker"]
+    assert "| `Chief` | 1 |" in readme and "| `Worker` | 1 |" in readme
+    assert f"| `PS` | {replicas['PS']} |" in readme and "| `Evaluator` | 1 |" in readme
+    containers = {kind: spec["template"]["spec"]["containers"][0] for kind, spec in specs.items()}
+    assert all(c["name"] == "tensorflow" for c in containers.values())  # the operator's name
+    # The commands: train.py from the image's checkout, `prophet-tf ps` on the PS.
+    workdir = re.search(r"^WORKDIR (\S+)$", dockerfile, re.M)[1]
+    script = f"{workdir}/examples/kubernetes/train.py"
+    assert (ROOT / script[len(workdir) + 1:]).is_file()  # the checkout is copied there
+    directories = set()
+    for kind in ("Chief", "Worker", "Evaluator"):
+        command = containers[kind]["command"]
+        assert command[:2] == ["python", script], (kind, command)
+        directories.add(command[command.index("--checkpoint-dir") + 1])
+    assert len(directories) == 1
+    ps_command = containers["PS"]["command"]
+    assert ps_command[:2] == ["prophet-tf", "ps"]
+    # The token: the secret the README makes, mounted where the PS and the trainers read it.
+    secret = re.search(r"kubectl create secret generic (\S+)", readme)[1]
+    for kind in ("Chief", "Worker", "PS"):
+        pod = specs[kind]["template"]["spec"]
+        mount = next(m for m in containers[kind]["volumeMounts"] if m["name"] == "token")
+        assert {"name": "token", "secret": {"secretName": secret}} in pod["volumes"]
+        token = (ps_command[ps_command.index("--token-file") + 1] if kind == "PS" else
+                 next(e["value"] for e in containers[kind]["env"]
+                      if e["name"] == "PROPHET_TF_TOKEN_FILE"))
+        assert token == f"{mount['mountPath']}/token", kind
+    assert "volumeMounts" not in containers["Evaluator"] or all(
+        m["name"] != "token" for m in containers["Evaluator"]["volumeMounts"])
+    # The checkpoint volume: the chief writes and the evaluator reads the same claim.
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for kind in ("Chief", "Evaluator"):
+        pod = specs[kind]["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "checkpoints")
+        assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+        mount = next(m for m in containers[kind]["volumeMounts"] if m["name"] == "checkpoints")
+        assert next(iter(directories)).startswith(mount["mountPath"] + "/")
+
+    # Placement: trainers one per node; each PS beside a trainer, never two PS on a node.
+    def selects(term):
+        expressions = {e["key"]: e["values"] for e in term["labelSelector"]["matchExpressions"]
+                       if e["operator"] == "In"}
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert expressions["training.kubeflow.org/job-name"] == [name]
+        return sorted(expressions["training.kubeflow.org/replica-type"])
+
+    rule = "requiredDuringSchedulingIgnoredDuringExecution"
+    for kind in ("Chief", "Worker"):
+        affinity = specs[kind]["template"]["spec"]["affinity"]
+        assert [selects(t) for t in affinity["podAntiAffinity"][rule]] == [["chief", "worker"]]
+    affinity = specs["PS"]["template"]["spec"]["affinity"]
+    assert [selects(t) for t in affinity["podAffinity"][rule]] == [["chief", "worker"]]
+    assert [selects(t) for t in affinity["podAntiAffinity"][rule]] == [["ps"]]
+
+    # Every task's TF_CONFIG, as the operator writes it from this manifest, resolves.
+    workers = replicas["Chief"] + replicas["Worker"]
+    for kind, count in (("chief", 1), ("worker", replicas["Worker"]), ("ps", replicas["PS"]),
+                        ("evaluator", replicas["Evaluator"])):
+        for index in range(count):
+            config = cluster.resolve(_operator_tf_config(job, kind, index))
+            assert (config.num_workers, config.num_ps) == (workers, replicas["PS"])
+            assert config.is_evaluator == (kind == "evaluator")
+            if kind == "ps":  # the PS pod's own command line, with that TF_CONFIG
+                monkeypatch.setenv("TF_CONFIG", _operator_tf_config(job, kind, index))
+                assert server._task_from_args(server._parse_args(ps_command[2:])) == (
+                    workers, index, replicas["PS"], "[::]", 2222)

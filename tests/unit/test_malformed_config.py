@@ -54,3 +54,17 @@ def test_ps_command_rejects_malformed_tf_config_with_exit_2(tf_config, fragment)
                             capture_output=True, text=True, timeout=100)
     assert result.returncode == 2, result.stderr
     assert fragment in result.stderr and "Received" in result.stderr
+
+
+def test_strategy_refuses_an_evaluator_and_says_what_it_does_instead(monkeypatch):
+    """A TFJob's Evaluator task resolves (it is no malformed config), but trains nothing."""
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": ["job-chief-0.ns.svc:2222"], "worker": ["job-worker-0.ns.svc:2222"],
+                    "ps": ["job-ps-0.ns.svc:2222"], "evaluator": ["job-evaluator-0.ns.svc:2222"]},
+        "task": {"type": "evaluator", "index": 0}, "environment": "cloud"}))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="Received: task type='evaluator'") as info:
+        prophet_tf.Strategy()
+    assert "prophet_tf.evaluate_checkpoints" in str(info.value)
+    assert "does not join training" in str(info.value)
+    assert time.monotonic() - started < 5.0  # nothing waited on a PS

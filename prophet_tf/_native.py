@@ -12,6 +12,12 @@ outputs must be consumed or they are pruned. ``PushGrad`` is stateful on its
 variable's resource handle, so it runs although it has no output and is
 ordered only against other ops on that variable (see ops/ops.cc). Constant
 folding is refused by the kernels, so constant inputs are fine.
+
+``PushGrad`` and ``AwaitParam`` read and write host memory (the gradient
+queue, the staging area), and have CPU kernels only: their wrappers place them
+on the host CPU of whatever device scope is active ("/cpu:0" merged into it),
+so under a GPU scope TensorFlow copies their inputs and outputs across instead
+of soft placement choosing for them.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ STAMP_DTYPE = np.dtype({"names": ["key", "step", "t_ns", "kind"],
  _BUSY) = range(0, -9, -1)
 
 _SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+#: Where PushGrad and AwaitParam run: merged into the active device scope, the
+#: CPU of the same task ("/job:localhost/replica:0/task:0/device:GPU:1" -> its CPU:0).
+HOST = "/cpu:0"
 
 
 class RuntimeAbortedError(RuntimeError):
@@ -101,12 +111,15 @@ def push_grad(variable_handle: tf.Tensor, grad: tf.Tensor, key: int, step):
 
     Never waits. Stateful on `variable_handle` (the handle of the variable the
     gradient belongs to), so a tf.function runs it although it has no output,
-    ordered only against other ops on that variable.
+    ordered only against other ops on that variable. Runs on the host CPU
+    (`grad` is copied there); TensorFlow places an op on its resource input's
+    device, so the variable must live on the host too.
 
     Returns:
         The op in graph mode, None in eager mode.
     """
-    return load().ops.push_grad(variable_handle, grad, _step_tensor(step), key=key)
+    with tf.device(HOST):
+        return load().ops.push_grad(variable_handle, grad, _step_tensor(step), key=key)
 
 
 def await_param(step, key: int, dtype, shape) -> tf.Tensor:
@@ -119,15 +132,17 @@ def await_param(step, key: int, dtype, shape) -> tf.Tensor:
         shape: the declared shape (may be partially unknown).
 
     Returns:
-        The staged tensor (shared with the staging area; read-only).
+        The staged tensor (shared with the staging area; read-only), in host
+        memory: the op runs on the host CPU.
 
     Raises:
         tf.errors.AbortedError: the runtime was aborted (message included).
         tf.errors.InvalidArgumentError: dtype/shape differ from the declaration.
         tf.errors.FailedPreconditionError: `key` was never declared.
     """
-    return load().ops.await_param(_step_tensor(step), key=key, dtype=tf.as_dtype(dtype),
-                                  shape=tf.TensorShape(shape))
+    with tf.device(HOST):
+        return load().ops.await_param(_step_tensor(step), key=key, dtype=tf.as_dtype(dtype),
+                                      shape=tf.TensorShape(shape))
 
 
 # --------------------------------------------------------------------------- stamps

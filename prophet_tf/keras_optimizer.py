@@ -18,8 +18,12 @@ what such an update cannot see:
 * Anything else is refused. ``Nadam`` keeps one ``u_product`` for all
   variables and advances it at every ``apply``: applied per partition it would
   advance once per partition instead of once per iteration.
-  ``LossScaleOptimizer`` (and so the ``mixed_float16`` policy) skips
-  iterations on each worker on its own.
+
+A ``LossScaleOptimizer`` (the ``mixed_float16`` policy) is not itself sent:
+the worker pushes the unscaled gradients for its inner optimizer and marks the
+config with :data:`LOSS_SCALING_KEY`, so the PS accepts non-finite gradients
+and applies or skips each step as all workers' verdict says
+(:mod:`prophet_tf.loss_scaling`).
 
 Options refused (:data:`REFUSED_OPTIONS`): Keras clips gradients, accumulates
 them and keeps the moving average inside ``optimizer.apply`` on the worker,
@@ -36,14 +40,18 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-__all__ = ["NO_WEIGHT_DECAY_KEY", "ELEMENTWISE", "WHOLE_VARIABLE", "SUPPORTED_OPTIMIZERS",
-           "REFUSED_OPTIONS", "config_json", "parse_config", "comparable", "check_optimizer",
-           "check_options", "check_partitioning", "rebuild"]
+__all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE",
+           "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "config_json", "parse_config", "comparable",
+           "check_optimizer", "check_options", "check_partitioning", "rebuild", "loss_scaling"]
 
 #: Optional top-level key of the optimizer JSON: the variable keys the worker's
 #: optimizer exempts from weight decay (``exclude_from_weight_decay`` is not
 #: part of Keras' serialized config).
 NO_WEIGHT_DECAY_KEY = "prophet_tf_no_weight_decay"
+#: Optional top-level key of the optimizer JSON: true when the workers scale
+#: the loss (a ``LossScaleOptimizer``): their gradients may overflow, and each
+#: step is applied only when every worker's gradients were finite.
+LOSS_SCALING_KEY = "prophet_tf_loss_scaling"
 
 #: Optimizers whose update of a row range depends only on that range's rows.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Ftrl",
@@ -124,7 +132,8 @@ def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int) -> 
 # --- the worker's side ---------------------------------------------------------
 
 
-def config_json(optimizer, variables: Sequence | None = None) -> str:
+def config_json(optimizer, variables: Sequence | None = None, *,
+                loss_scaling: bool = False) -> str:
     """The ``optimizer_config`` of Register for a Keras 3 or tf_keras optimizer.
 
     ``keras.optimizers.serialize`` leaves out ``exclude_from_weight_decay``;
@@ -133,6 +142,8 @@ def config_json(optimizer, variables: Sequence | None = None) -> str:
     :data:`NO_WEIGHT_DECAY_KEY`, so the PS decays exactly the same variables.
     ``loss_scale_factor`` is left out: the worker's ``optimizer.apply``
     unscales the gradient before it is pushed, so the PS must not again.
+    ``loss_scaling``: the worker's optimizer is the inner optimizer of a
+    ``LossScaleOptimizer`` (recorded under :data:`LOSS_SCALING_KEY`).
 
     A tf_keras (Keras 2) optimizer is described as the equivalent Keras 3
     optimizer (``prophet_tf._keras_compat``): the PS only knows Keras 3.
@@ -159,6 +170,8 @@ def config_json(optimizer, variables: Sequence | None = None) -> str:
         exempt = [i for i, v in enumerate(variables) if not decays(v)]
         if exempt:
             config[NO_WEIGHT_DECAY_KEY] = exempt
+    if loss_scaling:
+        config[LOSS_SCALING_KEY] = True
     return json.dumps(config)
 
 
@@ -181,6 +194,8 @@ def parse_config(text: str) -> dict:
         exempt = config.get(NO_WEIGHT_DECAY_KEY) or []
         if not (isinstance(exempt, list) and all(type(k) is int for k in exempt)):
             raise ValueError(f"{NO_WEIGHT_DECAY_KEY} is not a list of variable keys")
+        if type(config.get(LOSS_SCALING_KEY, False)) is not bool:
+            raise ValueError(f"{LOSS_SCALING_KEY} is not true or false")
     except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
         raise ValueError("optimizer_config must be the JSON of "
                          f"keras.optimizers.serialize(optimizer) ({e}). "
@@ -200,7 +215,8 @@ def rebuild(config: dict):
 
     Returns:
         ``(optimizer, no_decay)``: the optimizer (not built) and the set of
-        variable keys exempt from weight decay.
+        variable keys exempt from weight decay (:func:`loss_scaling` reads
+        the rest of what the worker added).
 
     Raises:
         ValueError: Keras cannot rebuild it, or this policy refuses it.
@@ -209,6 +225,7 @@ def rebuild(config: dict):
 
     config = json.loads(json.dumps(config))  # Keras mutates what it is given
     no_decay = set(config.pop(NO_WEIGHT_DECAY_KEY, None) or ())
+    config.pop(LOSS_SCALING_KEY, None)
     try:
         optimizer = keras.optimizers.deserialize(json.loads(json.dumps(config)))
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -224,3 +241,8 @@ def rebuild(config: dict):
     check_optimizer(type(optimizer).__name__)
     check_options(config)
     return optimizer, no_decay
+
+
+def loss_scaling(config: dict) -> bool:
+    """Whether the workers of a parsed config scale their loss (:data:`LOSS_SCALING_KEY`)."""
+    return bool(config.get(LOSS_SCALING_KEY, False))

@@ -24,6 +24,7 @@ TF-private imports stay in this module.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from typing import Any
 
@@ -35,7 +36,9 @@ from tensorflow.python.ops import control_flow_util
 from prophet_tf import _keras_compat
 from prophet_tf import _native
 from prophet_tf import cluster as cluster_lib
+from prophet_tf import devices
 from prophet_tf import keras_optimizer
+from prophet_tf import loss_scaling
 from prophet_tf import saved_state
 from prophet_tf import whole_data
 from prophet_tf.variables import PSVariable
@@ -69,26 +72,38 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
       rpc_timeout_s: deadline for each RPC and for waiting on a parameter.
       timeline: path of the Chrome-trace timeline each worker writes at exit
         (see prophet_tf.engine.timeline); None reads PROPHET_TF_TIMELINE.
+      device: where the model's forward and backward run: any TensorFlow
+        device string of this process ("/gpu:1", "/cpu:0") or a
+        `tf.config.LogicalDevice`. None reads PROPHET_TF_DEVICE, else the
+        first visible GPU, else the CPU (`prophet_tf.devices.resolve`). The
+        parameters are staged and the gradients pushed from host memory: the
+        op library's ops run on the device's host CPU.
 
     Raises:
       ValueError: the cluster description is malformed, this task is not a
-        worker, or an option is invalid; the message names what was received.
+        worker, the device does not exist or is malformed, or an option is
+        invalid; the message names what was received.
     """
 
     def __init__(self, cluster: Any = None, scheduler: str | None = None, *,
                  scheduler_options: dict | None = None, rpc_timeout_s: float = 120.0,
-                 timeline: str | None = None):
+                 timeline: str | None = None, device: Any = None):
         config = cluster_lib.resolve(cluster)
         if not config.is_worker:
-            raise ValueError("prophet_tf.Strategy runs on worker tasks; a ps task runs "
-                             f"`prophet-tf ps`. Received: task type={config.task_type!r}")
+            raise ValueError(
+                "prophet_tf.Strategy runs on worker (and chief) tasks; a ps task runs "
+                "`prophet-tf ps`, and an evaluator task does not join training: it evaluates "
+                "the checkpoints the chief saves, with prophet_tf.evaluate_checkpoints("
+                f"directory, evaluate_fn). Received: task type={config.task_type!r}")
+        device = devices.resolve(device)  # Before anything starts.
         from prophet_tf.bench import shaping  # PROPHET_TF_SHAPE_MBIT: the bench's fallback
         from prophet_tf.engine import Engine  # Imports grpc; keep it out of module import.
         engine = Engine(config, scheduler=scheduler, scheduler_options=scheduler_options,
                         rpc_timeout_s=rpc_timeout_s, timeline=timeline,
                         make_shapers=shaping.from_env, runtime=_native)
         _native.load()  # Fail here, with the rebuild hint, if the op library is broken.
-        distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine, rpc_timeout_s))
+        distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine, rpc_timeout_s,
+                                                          device=device))
 
     @property
     def cluster(self) -> cluster_lib.ClusterConfig:
@@ -117,8 +132,13 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
     """The hooks behind `Strategy`."""
 
     def __init__(self, container_strategy, config: cluster_lib.ClusterConfig, engine,
-                 rpc_timeout_s: float = 120.0):
-        super().__init__(container_strategy, "/cpu:0")
+                 rpc_timeout_s: float = 120.0, device: Any = None):
+        # The compute device: Keras creates the model's other variables there and
+        # the replica function runs there (OneDeviceStrategy).
+        super().__init__(container_strategy, devices.resolve(device))
+        # The op library's ops, the parameters' variables and the step counter
+        # they read live in host memory (prophet_tf/devices.py).
+        self._host_device = devices.host_of(self._device)
         self.cluster = config
         self.engine = engine
         # Whole-data metrics and predictions (prophet_tf/whole_data.py).
@@ -127,7 +147,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         self.saved_state = saved_state.SavedState(config.ps, engine.worker_id,
                                                   config.num_workers, rpc_timeout_s)
         # Training steps started by this worker; reads in step k want version k.
-        with tf.init_scope():
+        # On the host, where AwaitParam and PushGrad read it.
+        with tf.init_scope(), tf.device(self._host_device):
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="prophet_tf_step")
         self._ps_variables: list[PSVariable] = []
         self._raw_grads: list[tf.Tensor] = []
@@ -139,11 +160,22 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         self._rates: tf.Variable | None = None
         self._rate_recorded = None
         self._eager_warned = False
+        # The model's LossScaleOptimizer (mixed_float16), once its steps are
+        # decided with all workers (loss_scaling.py); None without loss scaling.
+        self._loss_scale_optimizer = None
 
     # -- variables -------------------------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
-        variable = super()._create_variable(next_creator, **kwargs)
+        if _may_become_ps_variable(kwargs) and kwargs.get("colocate_with") is None:
+            # A parameter's value lives in the op library's host staging area, and
+            # TensorFlow runs PushGrad wherever its variable's handle is: so the
+            # variable itself (read once, at adoption) lives on the host too.
+            kwargs.pop("colocate_with", None)
+            with tf.device(self._host_device):
+                variable = next_creator(**kwargs)
+        else:
+            variable = super()._create_variable(next_creator, **kwargs)
         if (_is_plain_resource_variable(variable) and variable.trainable
                 and variable.dtype in _FLOAT_DTYPES):
             variable = PSVariable.adopt(variable, key=len(self._ps_variables), step_variable=self._step)
@@ -191,12 +223,24 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                           "waits for all parameters. Use run_eagerly=False for speed.",
                           stacklevel=2)
         model, kind = whole_data.keras_step(fn)
+        if kind == "train_step" and loss_scaling.is_loss_scale_optimizer(model.optimizer):
+            self._install_loss_scaling(model.optimizer)
         if model is None or self.cluster.num_workers == 1:
             return super()._call_for_each_replica(fn, args, kwargs)
         if kind == "predict_step":
             return self.exchange.gather_rows(super()._call_for_each_replica(fn, args, kwargs))
         return self.exchange.metrics_step(
             model, lambda: super(PSExtended, self)._call_for_each_replica(fn, args, kwargs))
+
+    def _install_loss_scaling(self, optimizer) -> None:
+        """A LossScaleOptimizer decides each step with all workers (loss_scaling.py)."""
+        if self._registered is not None and self._loss_scale_optimizer is not optimizer:
+            raise ValueError("The model's optimizer changed after training through the PS "
+                             f"started. Received: {type(optimizer).__name__} "
+                             f"{optimizer.name!r}")
+        self._loss_scale_optimizer = optimizer
+        loss_scaling.install(optimizer, lambda local_finite: loss_scaling.verdict_op(
+            self._step_value, local_finite, self.engine.step_verdict))
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         _reject_xla()  # tf_keras compiles only the replica function: fail before registering.
@@ -223,6 +267,16 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             raise ValueError(
                 f"The variable {var.name!r} was created outside prophet_tf.Strategy.scope(). "
                 "Create the model and the optimizer inside `with strategy.scope():`.")
+        outer = _unhandled_loss_scale_optimizer()
+        if outer is not None:
+            # Its own apply updates only when this worker's gradients are
+            # finite: on an overflow this worker would not push, and every
+            # other worker would wait for the step.
+            raise ValueError(
+                "A LossScaleOptimizer (mixed_float16) trains under prophet_tf.Strategy "
+                "through model.fit/train_on_batch, which decide each step with all workers; "
+                f"its own apply cannot. Received: {type(outer).__name__} {outer.name!r} "
+                f"applied directly, updating {var.name!r}")
         position = len(self._trained_this_trace)
         if position >= len(self._raw_grads):
             raise RuntimeError(f"More updates than gradients: {var.name!r} has no gradient "
@@ -246,7 +300,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             # The engine reads the step's rate when its first gradient arrives.
             with tf.control_dependencies([self._rate_recorded]):
                 grad = tf.identity(grad)
-        with tf.device("/cpu:0"):
+        with tf.device(self._host_device):  # The gradient is copied from the compute device.
             _native.push_grad(var.handle, tf.cast(grad, var.dtype), key=var.native_key, step=self._step_value)
         return ()
 
@@ -259,7 +313,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         if variable is None:
             return None
         if self._rates is None:
-            with tf.init_scope():
+            with tf.init_scope(), tf.device(self._host_device):  # the engine reads it
                 self._rates = tf.Variable(tf.zeros([RATE_SLOTS], tf.float64), trainable=False,
                                           name="prophet_tf_learning_rates")
         slot = tf.math.floormod(self._step_value, RATE_SLOTS)
@@ -285,7 +339,9 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         optimizer = _optimizer_of(update_fn)
         traced = tf.inside_function()
         with tf.init_scope():
-            config = optimizer_config(optimizer, trained)
+            scaled = (self._loss_scale_optimizer is not None
+                      and self._loss_scale_optimizer.inner_optimizer is optimizer)
+            config = optimizer_config(optimizer, trained, scaled=scaled)
             # Steps the optimizer already counts: restored by BackupAndRestore
             # (or load_weights), the PS continues from the same step.
             resume_step = int(optimizer.iterations.numpy())
@@ -327,9 +383,35 @@ def _reject_xla() -> None:
                          "Received: jit_compile=True")
 
 
+def _unhandled_loss_scale_optimizer():
+    """The Keras LossScaleOptimizer whose own ``apply`` is running (on this
+    thread's stack, while tracing), unless loss_scaling.install replaced it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if loss_scaling.is_loss_scale_optimizer(owner) and not loss_scaling.installed(owner):
+            return owner
+        frame = frame.f_back
+    return None
+
+
 def _is_plain_resource_variable(variable) -> bool:
     from tensorflow.python.ops import resource_variable_ops
     return type(variable) is resource_variable_ops.ResourceVariable
+
+
+def _may_become_ps_variable(creator_kwargs: dict) -> bool:
+    """Whether a variable created with these arguments can be adopted (trainable, float),
+    decided before it exists; the adoption itself checks the variable it gets."""
+    trainable = creator_kwargs.get("trainable")
+    if trainable is None:  # tf.Variable's default
+        trainable = creator_kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ
+    if not trainable:
+        return False
+    dtype = creator_kwargs.get("dtype")
+    if dtype is None:
+        dtype = getattr(creator_kwargs.get("initial_value"), "dtype", None)
+    return dtype is None or tf.as_dtype(dtype).base_dtype in _FLOAT_DTYPES
 
 
 def _optimizer_of(update_fn):
@@ -346,13 +428,14 @@ def _optimizer_of(update_fn):
                      f"model.compile/fit or optimizer.apply. Received: update function {update_fn!r}")
 
 
-def optimizer_config(optimizer, trained: list) -> str:
-    """The JSON config the PS rebuilds the optimizer from (`keras_optimizer.config_json`).
+def optimizer_config(optimizer, trained: list, scaled: bool = False) -> str:
+    """The JSON config the PS rebuilds the optimizer from (`keras_optimizer.config_json`);
+    ``scaled``: it is the inner optimizer of a LossScaleOptimizer.
 
     Raises:
       ValueError: an optimizer or option the PS cannot apply exactly.
     """
-    return keras_optimizer.config_json(optimizer, trained)
+    return keras_optimizer.config_json(optimizer, trained, loss_scaling=scaled)
 
 
 def split_batches(dataset: tf.data.Dataset, num_workers: int, index: int) -> tf.data.Dataset:

@@ -12,6 +12,11 @@ replaced by the chief's when training starts); version k is the value after k
 optimizer steps. A read in training iteration k asks for version k; a read
 outside training asks for the latest iteration, which makes evaluate, predict, save and
 get_weights see the latest parameters.
+
+Devices: the staging area is host memory, and `AwaitParam`, the step counter
+it reads and the variable itself are on the host CPU (the strategy creates the
+variable there); a model computing on a GPU gets each read copied to it by
+TensorFlow, and its gradient flows back to the variable's handle on the host.
 """
 from __future__ import annotations
 
@@ -62,8 +67,9 @@ class PSVariable(resource_variable_ops.ResourceVariable):
     def _read_variable_op(self, no_copy=False):
         del no_copy  # The staged tensor is shared, never copied.
         resource_variable_ops.variable_accessed(self)
-        value = _native.await_param(self._ps_step.read_value(), key=self._native_key,
-                                    dtype=self.dtype, shape=self.shape)
+        with tf.device(_native.HOST):  # Under the compute device's scope: its host.
+            value = _native.await_param(self._ps_step.read_value(), key=self._native_key,
+                                        dtype=self.dtype, shape=self.shape)
         # Gradients flow to the variable's handle as through ReadVariableOp.
         record.record_operation("AwaitParam", [value], [self.handle],
                                 backward_function=lambda x: [x],

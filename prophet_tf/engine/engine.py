@@ -377,6 +377,47 @@ class Engine:
                 raise RuntimeError(f"pull of version {version} from PS {ps_index} at "
                                    f"{client.address} failed: {liveness.rpc_message(e)}") from e
 
+    # -- loss scaling ------------------------------------------------------------------
+
+    def step_verdict(self, step: int, finite: bool) -> bool:
+        """Sends this worker's verdict of ``step`` to every PS task (a loss-scaled
+        model, ``prophet_tf.loss_scaling``); True when every worker's
+        gradients of the step were finite.
+
+        Each PS task answers once all workers' verdicts are in, and applies or
+        skips the step by them (``prophet_tf.ps.verdicts``). Like a parameter
+        wait, a long wait is renewed with a warning; a failed job raises.
+        """
+        results: list = [None] * len(self._clients)
+
+        def ask(i: int) -> None:
+            while True:
+                try:
+                    results[i] = self._clients[i].verdict(step, finite, timeout=self.rpc_timeout_s)
+                    return
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self._stop.is_set():
+                        results[i] = RuntimeError(
+                            f"The verdict of step {step} (loss scaling) from the PS at "
+                            f"{self._clients[i].address} failed: {liveness.rpc_message(e)}")
+                        return
+                    logger.warning("worker %d: still waiting after %.0f s for the other "
+                                   "workers' verdicts of step %d", self.worker_id,
+                                   self.rpc_timeout_s, step)
+
+        threads = [threading.Thread(target=ask, args=(i,), daemon=True,
+                                    name=f"prophet-tf-verdict-{i}") for i in range(1, len(results))]
+        for thread in threads:
+            thread.start()
+        ask(0)
+        for thread in threads:
+            thread.join()
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        # Every PS task answers the same verdicts; any one decides.
+        return all(results[0])
+
     # -- liveness ------------------------------------------------------------------------
 
     def _heartbeat(self, ps_index: int) -> None:

@@ -18,7 +18,8 @@ and a large push's scan holds up no other RPC; only the iteration rules
 (:func:`check_iterations`) need the lock. A gradient holding a NaN or an Inf
 is such an error (INVALID_ARGUMENT naming the variable, partition and
 iteration): summed in, it would poison the parameters for good, so training
-fails at once instead.
+fails at once instead; unless the workers scale the loss, whose overflowed
+steps are skipped as all workers' verdicts say (``verdicts.py``).
 
 Sums are accumulated in float32 for float16/bfloat16 gradients (so W low-
 precision gradients do not lose bits; the optimizer casts the sum to the
@@ -71,7 +72,8 @@ def check_content(request, model: registration.Model, parts: dict, ps_index: int
             raise registration.not_found(model, c.key, c.partition, ps_index)
         array = registration.check_chunk_bytes(part, c, "gradient")
         step = c.step
-        if not _all_finite(array):
+        # A loss-scaled model's overflow skips the step (verdicts.py) instead.
+        if not model.loss_scaling and not _all_finite(array):
             # Summed in, one NaN would poison the parameters for good.
             raise invalid(f"Gradient of {part.name} at step {step} has "
                           f"{_non_finite_count(array)} NaN or "

@@ -10,7 +10,10 @@ is set to k and ``optimizer.apply`` runs for that partition alone (both in one
 correction and weight decay see exactly what single-process Keras sees at
 iteration k (which optimizers allow that: :mod:`prophet_tf.keras_optimizer`).
 A learning rate changed on the workers (callbacks) arrives with each
-iteration's pushes; schedules run here.
+iteration's pushes; schedules run here. A step of a loss-scaled model that
+overflowed is skipped (:mod:`prophet_tf.ps.verdicts`): the partition's next
+version keeps its values, in the same queue so versions stay in order, and
+the optimizer iteration of each later step is given by the servicer.
 """
 
 from __future__ import annotations
@@ -68,24 +71,36 @@ class Applier:
         """Records an iteration's learning rate; under the state lock."""
         self._learning_rates[iteration] = learning_rate
 
-    def submit(self, part, iteration: int, total: np.ndarray) -> None:
-        """Queues the sum of all workers' gradients of ``part`` at ``iteration``."""
+    def submit(self, part, iteration: int, total: np.ndarray,
+               optimizer_iteration: int | None = None) -> None:
+        """Queues the sum of all workers' gradients of ``part`` at ``iteration``
+        (the step), applied with the optimizer's iteration count at
+        ``optimizer_iteration`` (default: the step)."""
+        self._put(part, iteration, total,
+                  iteration if optimizer_iteration is None else optimizer_iteration)
+
+    def skip(self, part, iteration: int) -> None:
+        """Queues a skipped step: ``part``'s version ``iteration + 1`` keeps its values."""
+        self._put(part, iteration, None, None)
+
+    def _put(self, part, iteration, total, optimizer_iteration) -> None:
         self._queue.put((iteration, part.spec.priority, part.plan.key, part.plan.partition,
-                         next(self._seq), part, total))
+                         next(self._seq), part, total, optimizer_iteration))
 
     def close(self) -> None:
         """Stops the thread after the queued updates."""
-        self._queue.put((math.inf, 0, 0, 0, next(self._seq), None, None))
+        self._queue.put((math.inf, 0, 0, 0, next(self._seq), None, None, None))
         self._thread.join()
 
     def _loop(self):
         while True:
-            iteration, *_, part, total = self._queue.get()
+            iteration, *_, part, total, optimizer_iteration = self._queue.get()
             if part is None:
                 return
             try:
                 with self.lock:
-                    value = self._apply(part, iteration, total)
+                    value = (read(part) if total is None
+                             else self._apply(part, iteration, total, optimizer_iteration))
                     encoded = protocol.encode_parameter_chunk(
                         part.plan.key, part.plan.partition, iteration + 1, part.spec.dtype,
                         value)
@@ -98,7 +113,7 @@ class Applier:
                 continue
             self._on_applied(part, iteration + 1, encoded)
 
-    def _apply(self, part, iteration, total):
+    def _apply(self, part, iteration, total, optimizer_iteration):
         with self._state_lock:
             learning_rate = self._learning_rates.get(iteration)
             for old in [i for i in self._learning_rates if i < iteration - 2]:
@@ -107,7 +122,8 @@ class Applier:
             self.optimizer.learning_rate = learning_rate  # Read inside apply_fn.
         if part.apply_fn is None:
             part.apply_fn = self._trace(part)
-        return np.asarray(part.apply_fn(total.reshape(part.shape), np.int64(iteration)))
+        return np.asarray(part.apply_fn(total.reshape(part.shape),
+                                        np.int64(optimizer_iteration)))
 
     def _trace(self, part):
         """The optimizer update of one partition as a tf.function.

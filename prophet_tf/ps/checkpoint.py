@@ -78,6 +78,9 @@ class Snapshot:
     params: dict[tuple[int, int], np.ndarray]
     optimizer_names: list[str]
     optimizer_values: list[np.ndarray]
+    # Steps a loss-scaled model skipped before ``step`` (the optimizer's
+    # iteration count is ``step`` minus these; ps/verdicts.py).
+    skipped_steps: int = 0
 
 
 class Checkpointer:
@@ -155,7 +158,8 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         meta = {"format": _FORMAT, "step": snapshot.step, "signature": snapshot.signature,
-                "optimizer_variables": snapshot.optimizer_names, "saved_at": time.time()}
+                "optimizer_variables": snapshot.optimizer_names,
+                "skipped_steps": snapshot.skipped_steps, "saved_at": time.time()}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
             f.flush()
@@ -195,9 +199,12 @@ class Checkpointer:
                         params[int(key), int(part)] = data[name]
                 names = meta["optimizer_variables"]
                 optimizer = [data[f"o{i}"] for i in range(len(names))]
+            skipped = meta.get("skipped_steps", 0)
+            if type(skipped) is not int or not 0 <= skipped <= step:
+                raise ValueError(f"skipped_steps {skipped!r}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"The checkpoint in {path} cannot be read: {e}") from None
-        return Snapshot(step, meta["signature"], params, names, optimizer)
+        return Snapshot(step, meta["signature"], params, names, optimizer, skipped)
 
 
 def _fsync_dir(path: str) -> None:
@@ -282,8 +289,9 @@ def choose(checkpointer: Checkpointer | None, signature: dict, optimizer_variabl
     return snapshot
 
 
-def take(step: int, signature: dict, params: dict, optimizer_variables: Sequence) -> Snapshot:
+def take(step: int, signature: dict, params: dict, optimizer_variables: Sequence,
+         skipped_steps: int = 0) -> Snapshot:
     """A snapshot of ``params`` (copies, by (key, partition)) and the optimizer's state."""
     names = [v.path for v in optimizer_variables]
     values = [np.array(v.numpy(), copy=True) for v in optimizer_variables]
-    return Snapshot(step, signature, params, names, values)
+    return Snapshot(step, signature, params, names, values, skipped_steps)

@@ -87,6 +87,9 @@ class PSClient:
         self._gather = self._channel.unary_unary(
             method + "Gather", request_serializer=ps_pb2.GatherRequest.SerializeToString,
             response_deserializer=ps_pb2.GatherResponse.FromString)
+        self._verdict = self._channel.unary_unary(
+            method + "Verdict", request_serializer=ps_pb2.GatherRequest.SerializeToString,
+            response_deserializer=ps_pb2.GatherResponse.FromString)
         self._read_state = self._channel.unary_stream(
             method + "ReadOptimizerState",
             request_serializer=ps_pb2.OptimizerStateRequest.SerializeToString,
@@ -232,6 +235,12 @@ class PSClient:
         """One all-gather round: every worker's payload of ``round_id``, in worker order."""
         request = ps_pb2.GatherRequest(worker_id=self.worker_id, round=round_id, payload=payload)
         return list(self._gather(request, timeout=timeout).payloads)
+
+    def verdict(self, step: int, finite: bool, timeout: float | None = None) -> list[bool]:
+        """Sends this worker's verdict of ``step`` (a loss-scaled model); every worker's."""
+        request = ps_pb2.GatherRequest(worker_id=self.worker_id, round=step,
+                                       payload=b"\x01" if finite else b"\x00")
+        return [p == b"\x01" for p in self._verdict(request, timeout=timeout).payloads]
 
     def read_optimizer_state(self, min_version: int, timeout: float | None = None) -> list:
         """The optimizer's slots (``OptimizerSlot``) of this PS's partitions at ``min_version``."""

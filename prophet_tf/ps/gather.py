@@ -37,11 +37,17 @@ class Gatherer:
         num_workers: W.
         failure: ``(round, missing workers)`` -> why the round can never
             complete (the job failed, a missing worker left), or None.
+        what: what a round is, in messages ("gather round", "verdict of step").
+        same_calls: what every worker must do for the rounds to match, in messages.
     """
 
-    def __init__(self, num_workers: int, failure: Callable[[int, list], str | None]):
+    def __init__(self, num_workers: int, failure: Callable[[int, list], str | None],
+                 what: str = "gather round",
+                 same_calls: str = "every worker must run the same evaluate, predict and "
+                                   "fit calls"):
         self.num_workers = num_workers
         self._failure = failure
+        self._what, self._same_calls = what, same_calls
         self._cond = threading.Condition()
         self._rounds: dict[int, _Round] = {}
 
@@ -71,14 +77,13 @@ class Gatherer:
             if entry is None:
                 if len(self._rounds) >= MAX_OPEN_ROUNDS:
                     raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"{len(self._rounds)} gather rounds are open, the most "
-                                   f"allowed. Received: round={round_id}")
+                                   f"{len(self._rounds)} rounds ({self._what}) are open, "
+                                   f"the most allowed. Received: round={round_id}")
                 entry = self._rounds[round_id] = _Round(self.num_workers)
             previous = entry.payloads[worker_id]
             if previous is not None and previous != payload:
-                raise invalid(f"Worker {worker_id} sent another payload for gather round "
-                              f"{round_id}: every worker must run the same evaluate, "
-                              f"predict and fit calls. Received: round={round_id}")
+                raise invalid(f"Worker {worker_id} sent another payload for {self._what} "
+                              f"{round_id}: {self._same_calls}. Received: round={round_id}")
             entry.payloads[worker_id] = payload
             self._cond.notify_all()
         while True:
@@ -100,7 +105,7 @@ class Gatherer:
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"Gather round {round_id}: no payload from workers "
+                                   f"{self._what.capitalize()} {round_id}: no payload from workers "
                                    f"{missing} before the deadline")
                 if not context.is_active():
                     raise RpcError(grpc.StatusCode.CANCELLED, "the client went away")

@@ -67,6 +67,9 @@ class Model:
     partitions: list  # full plan
     max_partition_bytes: int = 0
     parts: dict = None  # this PS's Part by (key, partition)
+    # The workers scale their loss: a step is applied only when every
+    # worker's gradients were finite (their verdicts, servicer.py).
+    loss_scaling: bool = False
 
 
 def check_request(request, num_workers: int, num_ps: int, max_partition_bytes: int) -> None:
@@ -205,7 +208,8 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
             limit)
     except ValueError as e:
         raise invalid(str(e)) from None
-    model = Model(specs, keras_optimizer.comparable(config), optimizer, partitions, limit)
+    model = Model(specs, keras_optimizer.comparable(config), optimizer, partitions, limit,
+                  loss_scaling=keras_optimizer.loss_scaling(config))
     model.parts = _make_parts(model, no_decay, ps_index)
     return model
 

@@ -100,6 +100,10 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
             servicer.Gather,
             request_deserializer=protocol.tolerant_parser(ps_pb2.GatherRequest),
             response_serializer=ps_pb2.GatherResponse.SerializeToString),
+        "Verdict": grpc.unary_unary_rpc_method_handler(
+            servicer.Verdict,
+            request_deserializer=protocol.tolerant_parser(ps_pb2.GatherRequest),
+            response_serializer=ps_pb2.GatherResponse.SerializeToString),
         "ReadOptimizerState": grpc.unary_stream_rpc_method_handler(
             servicer.ReadOptimizerState,
             request_deserializer=protocol.tolerant_parser(ps_pb2.OptimizerStateRequest),

@@ -9,6 +9,8 @@ It owns the locking and wires the concerns together, each in its module:
 
 * ``registration.py``: Register, the declaration checks, the same-model check;
 * ``aggregation.py``: the iteration rules of a push, the NaN/Inf check, sums;
+* ``verdicts.py``: a loss-scaled model's steps, applied or skipped as all
+  workers' verdicts say;
 * ``apply.py``: the optimizer apply thread;
 * ``liveness.py``: heartbeats and the watchdog;
 * ``keras_rpcs.py``: what Keras needs besides training (Gather for
@@ -34,7 +36,8 @@ from typing import Callable, Iterator
 
 import grpc
 
-from prophet_tf.ps import aggregation, apply, gather, liveness, protocol, registration, sharding
+from prophet_tf.ps import (aggregation, apply, gather, liveness, protocol, registration, sharding,
+                           verdicts)
 from prophet_tf.ps.keras_rpcs import KerasRPCs
 from prophet_tf.ps import checkpoint as checkpoint_lib
 from prophet_tf.ps.errors import RejectionLog, RpcError, invalid, precondition
@@ -127,6 +130,11 @@ class ParameterServerServicer(KerasRPCs):
         self._applier = apply.Applier(self._lock, f"prophet-tf-ps{ps_index}-apply",
                                       self._applied, self._apply_failed)
         self._gatherer = gather.Gatherer(num_workers, self._gather_failure)
+        # A loss-scaled model's step verdicts (verdicts.py): a round per step.
+        self._verdict_rounds = gather.Gatherer(
+            num_workers, self._verdict_failure, what="verdict of step",
+            same_calls="a worker sends one verdict per step")
+        self._verdicts = verdicts.Verdicts()
 
     # ------------------------------------------------------------------ RPCs
 
@@ -138,6 +146,9 @@ class ParameterServerServicer(KerasRPCs):
 
     def Heartbeat(self, request, context):
         return self._answer(self._heartbeat, "Heartbeat", request, context)
+
+    def Verdict(self, request, context):
+        return self._answer(lambda r: self._verdict(r, context), "Verdict", request, context)
 
     def _answer(self, handler, rpc: str, request, context):
         """Runs a unary handler; its RpcError becomes the call's status."""
@@ -275,9 +286,61 @@ class ParameterServerServicer(KerasRPCs):
                 for _, iteration, _ in accepted:
                     self._applier.set_learning_rate_locked(iteration, learning_rate)
             completed, duplicates = aggregation.add(accepted, wid, W)
-        for part, iteration, total in completed:
-            self._applier.submit(part, iteration, total)
+            # A loss-scaled step waits for all workers' verdicts.
+            decided = [(part, step, total, self._verdicts.wait_locked(part, step, total)
+                        if model.loss_scaling else True) for part, step, total in completed]
+        for part, step, total, finite in decided:
+            if finite is not None:
+                self._submit(part, step, total, finite)
         return ps_pb2.PushResponse(duplicates=duplicates)
+
+    def _submit(self, part, step: int, total, finite: bool) -> None:
+        """Queues a complete sum: applied, or, for a step that overflowed, skipped."""
+        if finite:
+            with self._lock:
+                iteration = self._verdicts.optimizer_iteration(step)
+            self._applier.submit(part, step, total, iteration)
+        else:
+            self._applier.skip(part, step)
+
+    # --------------------------------------------------------------- verdicts
+
+    def _verdict(self, request, context):
+        if getattr(request, "malformed", None):  # bytes that did not parse (protocol.py)
+            raise invalid(f"The request is not a GatherRequest. Received: {request.malformed}")
+        with self._lock:
+            model = self._model
+        if model is None or not model.loss_scaling:
+            raise precondition("Verdicts are for a model whose workers scale the loss "
+                               "(LossScaleOptimizer); this PS has "
+                               f"{'no model' if model is None else 'another model'}. "
+                               f"Received: a verdict of step {request.round} from "
+                               f"worker_id={request.worker_id}")
+        if request.payload not in (b"\x00", b"\x01"):
+            raise invalid("A verdict's payload is one byte, 0 or 1. Received: "
+                          f"payload={request.payload[:16]!r}")
+        payloads = self._verdict_rounds.gather(request, context)
+        finite = all(p == b"\x01" for p in payloads)
+        with self._lock:
+            released = self._verdicts.decide_locked(request.round, finite)
+        if not finite and released is not None:
+            logger.info("Step %d skipped: a worker's gradients were not finite (loss scaling)",
+                        request.round)
+        for part, total in released or ():
+            self._submit(part, request.round, total, finite)
+        return ps_pb2.GatherResponse(payloads=payloads)
+
+    def _verdict_failure(self, step: int, missing: list) -> str | None:
+        """Why the verdict of ``step`` missing ``missing`` can never be complete, or None."""
+        with self._lock:
+            if self._failure:
+                return self._failure
+            for wid in missing:
+                steps = self._liveness.left_after_locked(wid)
+                if steps is not None and steps <= step:
+                    return (f"The verdict of step {step} can never be complete: worker {wid} "
+                            f"left the job after pushing {steps} steps")
+        return None
 
     # ----------------------------------------------------------------- apply
 
@@ -396,6 +459,7 @@ class ParameterServerServicer(KerasRPCs):
     def _notify_all_locked(self) -> None:
         self._published.notify_all()
         self._gatherer.wake()
+        self._verdict_rounds.wake()
 
     # ----------------------------------------------------------- checkpoints
 
@@ -427,14 +491,17 @@ class ParameterServerServicer(KerasRPCs):
             part.version = snapshot.step
         self._start_version = snapshot.step
         self._at_version = {snapshot.step: len(self._parts)}
+        self._verdicts = verdicts.Verdicts(snapshot.skipped_steps)
         logger.info("Restored the checkpoint of step %d from %s", snapshot.step,
                     self._checkpointer.policy.directory)
 
     def _save_checkpoint(self, version: int) -> None:
         with self._applier.lock:
             params = {k: apply.read(part).copy() for k, part in self._parts.items()}
+            with self._lock:
+                skipped = self._verdicts.skipped_before(version)
             snapshot = checkpoint_lib.take(version, self._signature(self._model), params,
-                                           list(self._model.optimizer.variables))
+                                           list(self._model.optimizer.variables), skipped)
         try:
             self._checkpointer.save(snapshot)
         except RuntimeError as e:

@@ -68,6 +68,45 @@ def check_ops() -> Check:
         return Check("op library", False, str(e))
 
 
+def check_device() -> Check:
+    """The device `prophet_tf.Strategy()` computes on here (`prophet_tf.devices.resolve`),
+    and where TensorFlow runs a MatMul placed on it."""
+    name = "compute device"
+    try:
+        import tensorflow as tf
+
+        from prophet_tf import devices
+    except ImportError as e:
+        return Check(name, False, f"cannot import TensorFlow ({e})")
+    try:
+        device = devices.resolve(None)
+    except ValueError as e:
+        return Check(name, False, str(e))
+    from_env = os.environ.get(devices.DEVICE_ENV)
+    gpus = tf.config.list_logical_devices("GPU")
+    if from_env:
+        why = f"from {devices.DEVICE_ENV}={from_env!r}"
+    elif gpus:
+        why = f"the first of {len(gpus)} visible GPU(s)"
+    else:
+        why = "no GPU visible" + ("" if tf.test.is_built_with_cuda() else
+                                  ": this TensorFlow is built without CUDA")
+    try:
+        # Where the runtime put the result: with soft placement, a device that
+        # cannot run the op would leave it on another.
+        with tf.device(device):
+            ran = devices.canonical(tf.matmul(tf.ones([2, 2]), tf.ones([2, 2])).device)
+    except Exception as e:  # noqa: BLE001 - a broken device, reported as such.
+        return Check(name, False, f"{device} ({why}), but a MatMul there failed: "
+                     f"{type(e).__name__}: {e}")
+    if ran != device:
+        return Check(name, False, f"{device} ({why}), but TensorFlow ran a MatMul placed "
+                     f"there on {ran}; set {devices.DEVICE_ENV} or Strategy(device=...) to a "
+                     "device that works")
+    return Check(name, True, f"{device} ({why}); a MatMul placed there ran there. Parameter "
+                 f"reads and gradient pushes run on its host, {devices.host_of(device)}")
+
+
 def _ps_addresses() -> list[str]:
     """The PS addresses of TF_CONFIG, or [] when it is unset or malformed."""
     from prophet_tf import cluster as cluster_lib
@@ -201,7 +240,7 @@ def run(timeout_s: float = 3.0, out=None) -> int:
     out = out or sys.stdout
     addresses = _ps_addresses()
     sections: list[Callable[[], list[Check] | Check]] = [
-        check_versions, check_ops, lambda: check_cluster(timeout_s),
+        check_versions, check_ops, check_device, lambda: check_cluster(timeout_s),
         lambda: check_token(addresses), lambda: check_tls(addresses)]
     failed = warned = 0
     for section in sections:

@@ -39,7 +39,7 @@ ONE_TF_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
 
 # -- processes ---------------------------------------------------------------------------------
 
-def child_env(*, drop=("TF_CONFIG",), **extra: str) -> dict:
+def child_env(*, drop=("TF_CONFIG", "PROPHET_TF_DEVICE"), **extra: str) -> dict:
     """This process's environment for a child: the checkout importable, TensorFlow quiet,
     the variables in `drop` removed (so the caller's shell cannot leak into a test), then
     `extra` set."""
@@ -51,7 +51,7 @@ def child_env(*, drop=("TF_CONFIG",), **extra: str) -> dict:
 
 
 # What a `prophet-tf launch` (and its tasks) must not inherit from the caller's shell.
-LAUNCH_DROP = ("TF_CONFIG", "PROPHET_TF_SCHEDULER", "PROPHET_TF_LOG_LEVEL")
+LAUNCH_DROP = ("TF_CONFIG", "PROPHET_TF_SCHEDULER", "PROPHET_TF_LOG_LEVEL", "PROPHET_TF_DEVICE")
 
 
 def launch_env(**extra: str) -> dict:

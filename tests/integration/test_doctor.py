@@ -10,10 +10,11 @@ from tls_certs import make_cert
 
 SECURITY_ENV = (security.TOKEN_ENV, security.TOKEN_FILE_ENV, security.TLS_CA_ENV,
                 security.TLS_SERVER_NAME_ENV, security.TLS_CERT_ENV, security.TLS_KEY_ENV)
+DEVICE_ENV = "PROPHET_TF_DEVICE"
 
 
 def doctor(tf_config=None, *args, env_extra=None):
-    env = child_env(drop=("TF_CONFIG", *SECURITY_ENV), **(env_extra or {}))
+    env = child_env(drop=("TF_CONFIG", DEVICE_ENV, *SECURITY_ENV), **(env_extra or {}))
     if tf_config is not None:
         env["TF_CONFIG"] = tf_config if isinstance(tf_config, str) else json.dumps(tf_config)
     proc = run_prophet("doctor", *args, env=env, timeout=120)
@@ -31,14 +32,45 @@ def line(lines, name):
 def test_all_ok_without_tf_config():
     code, lines, out = doctor()
     assert code == 0, out
-    for name in ("TensorFlow", "Keras", "grpcio", "protobuf", "op library", "TF_CONFIG", "token",
-                 "TLS"):
+    for name in ("TensorFlow", "Keras", "grpcio", "protobuf", "op library", "compute device",
+                 "TF_CONFIG", "token", "TLS"):
         assert line(lines, name).startswith("OK"), out
     assert line(lines, "token") == ("OK   token: not set (fine on loopback: `prophet-tf launch` "
                                     "generates one for its tasks; a multi-host job sets "
                                     "PROPHET_TF_TOKEN or PROPHET_TF_TOKEN_FILE on every task)")
     assert line(lines, "TLS") == "OK   TLS: off (plaintext gRPC; fine on loopback)"
     assert "_prophet_ops.so" in line(lines, "op library")
+
+
+@pytest.mark.timeout(150)
+def test_compute_device_is_the_strategys_default_and_tensorflow_ran_a_matmul_there():
+    from prophet_tf import devices  # imports TensorFlow: this process sees the same devices
+    expected = devices.default_device()
+    code, lines, out = doctor()
+    assert code == 0, out
+    device = line(lines, "compute device")
+    assert device.startswith(f"OK   compute device: {expected} ("), device
+    assert "a MatMul placed there ran there" in device, device
+    assert f"on its host, {devices.host_of(expected)}" in device, device
+    if "GPU" not in expected:
+        assert "(no GPU visible" in device, device
+
+
+@pytest.mark.timeout(300)
+def test_compute_device_from_prophet_tf_device_and_its_errors():
+    code, lines, out = doctor(env_extra={DEVICE_ENV: "/device:CPU:0"})
+    assert code == 0, out
+    assert line(lines, "compute device").startswith(
+        "OK   compute device: /job:localhost/replica:0/task:0/device:CPU:0 "
+        "(from PROPHET_TF_DEVICE='/device:CPU:0'"), out
+    for value, fragment in (("/cpu:63", "does not exist"),
+                            ("cpu:zero", "not a TensorFlow device string")):
+        code, lines, out = doctor(env_extra={DEVICE_ENV: value})
+        assert code == 1, out
+        failure = line(lines, "compute device")
+        assert failure.startswith("FAIL") and fragment in failure, failure
+        assert failure.endswith(f"Received: PROPHET_TF_DEVICE={value!r}"), failure
+    assert "1 problem(s) found" in out
 
 
 @pytest.mark.timeout(200)

@@ -34,7 +34,7 @@ using tensorflow::shape_inference::ShapeHandle;
 
 namespace {
 
-// y = x, with `step` a scalar.
+// y = x, with input 1 (`step`, `seconds`) a scalar.
 absl::Status PassThroughShape(InferenceContext* c) {
   ShapeHandle unused;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
@@ -89,5 +89,17 @@ REGISTER_OP("AwaitParam")
     .Attr("dtype: {half, bfloat16, float, double}")
     .Attr("shape: shape")
     .SetShapeFn(AwaitParamShape);
+
+// Returns `input` (same buffer) `seconds` after it starts, holding no thread
+// and no CPU meanwhile: emulates a device computing while the host is free.
+// Stateful so that it is never pruned, merged or folded; its Python wrapper
+// exempts it from ACD's program-order chain (prophet_tf/bench/emulation.py).
+REGISTER_OP("EmulatedDelay")
+    .Input("input: T")
+    .Input("seconds: float")
+    .Output("output: T")
+    .Attr("T: type")
+    .SetIsStateful()
+    .SetShapeFn(PassThroughShape);
 
 }  // namespace prophet_tf

@@ -1,7 +1,10 @@
-"""prophet_tf's native code from Python: the three ops and the C API's wrappers.
+"""prophet_tf's native code from Python: the training ops and the C API's wrappers.
+
+(The library's ``EmulatedDelay`` op, for the bench, is wrapped in
+``prophet_tf.bench.emulation``.)
 
 ``_prophet_ops.so`` holds the TensorFlow ops (``ReadyStamp``, ``PushGrad``,
-``AwaitParam``) and a small C API the engine drives through ctypes: the stamp
+``AwaitParam``; the bench's ``EmulatedDelay``) and a small C API the engine drives through ctypes: the stamp
 buffer, the gradient queue and the parameter staging area. Loading it is
 prophet_tf._native_library's job; any wrapper here loads on first use (and
 raises ``ImportError`` with a rebuild hint when it cannot).

@@ -1,7 +1,7 @@
 """Loading prophet_tf's native library: ``_prophet_ops.so``, once, two ways.
 
 ``_prophet_ops.so`` holds the TensorFlow ops (``ReadyStamp``, ``PushGrad``,
-``AwaitParam``) and a small C API the engine drives through ctypes: the stamp
+``AwaitParam``; the bench's ``EmulatedDelay``) and a small C API the engine drives through ctypes: the stamp
 buffer, the gradient queue and the parameter staging area. The library is
 loaded twice, by ``tf.load_op_library`` and by ``ctypes.CDLL`` on the same
 path; the second load uses ``RTLD_NOLOAD`` so it can only attach to the image

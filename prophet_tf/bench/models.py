@@ -110,13 +110,18 @@ _INPUT_KEY, _LOSS_KEY, _LAYER_BASE = 1 << 20, (1 << 20) + 1, 1 << 21
 INTRA_OP_THREADS, INTER_OP_THREADS = 1, 2
 
 
-def profile_model(name: str, batch: int, iterations: int = 7, warmup: int = 2) -> dict:
+def profile_model(name: str, batch: int, iterations: int = 7, warmup: int = 2, *,
+                  model=None, data=None, loss_fn=None) -> dict:
     """Measures per-variable forward and backward compute time of model ``name``.
 
     Runs ``warmup + iterations`` training steps (forward, loss, gradients; no
     optimizer) of the Keras 3 model at ``batch`` with the bench workers' TF
     threads (:data:`INTRA_OP_THREADS`, :data:`INTER_OP_THREADS`), stamping
     layer outputs and gradients (see the module docstring).
+
+    ``model``, ``data`` (``(x, y)`` of ``batch`` rows) and ``loss_fn``
+    replace the named model's own (Keras 3), e.g. to measure what an emulated
+    model computes (``prophet_tf.bench.emulated``).
 
     Returns:
       A JSON-serializable dict: ``model``, ``batch``, ``forward_s``,
@@ -129,10 +134,13 @@ def profile_model(name: str, batch: int, iterations: int = 7, warmup: int = 2) -
 
     from prophet_tf import _native
 
-    tf.config.threading.set_intra_op_parallelism_threads(INTRA_OP_THREADS)
-    tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(INTRA_OP_THREADS)
+        tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
+    except RuntimeError:  # TensorFlow already started (a model was given): as it is
+        pass
     keras.utils.set_random_seed(0)
-    model = build_model(name)
+    model = build_model(name) if model is None else model
     variables = list(model.trainable_variables)
     var_index = {id(v): i for i, v in enumerate(variables)}
     owners = []  # (layer, index of its first trainable variable)
@@ -156,7 +164,8 @@ def profile_model(name: str, batch: int, iterations: int = 7, warmup: int = 2) -
             return tf.nest.map_structure(lambda t: stamp_forward(t, _key), out)
 
         layer.call = stamped
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=False)
+    if loss_fn is None:
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=False)
 
     @tf.function
     def step(x, y):
@@ -168,7 +177,7 @@ def profile_model(name: str, batch: int, iterations: int = 7, warmup: int = 2) -
         # Returning the loss keeps its stamp (nothing else consumes it).
         return [loss] + [_native.ready_stamp(g, i, 0) for i, g in enumerate(grads)]
 
-    x, y = synthetic_data(name, batch)
+    x, y = synthetic_data(name, batch) if data is None else data
     x, y = tf.constant(x), tf.constant(y)
     forward = {i: [] for i in range(len(variables))}
     ready = {i: [] for i in range(len(variables))}

@@ -28,6 +28,21 @@ the run's step time is the median over the remaining steps of the mean over
 workers. A scheduler's ``step_time_s`` is the median of its runs' step times
 (``step_time_s_all``).
 
+Compute (``--compute``): ``real`` trains the model itself, on the CPUs the PS
+tasks and the transport also need; ``emulated`` trains the emulated model of
+the model's saved profile (``prophet_tf.bench.emulated``: real variables and
+gradients, compute time that uses no CPU, as on a GPU worker), the profile's
+times scaled so that a step computes ``--compute-ms`` (default: as profiled),
+and the paper's models (``resnet50``, ``vgg16``, ``inceptionv3``) can run.
+``--time-scale k`` multiplies compute times and latency by k and divides the
+links' bandwidth by k: the compute/communication ratio of the cluster asked
+for (``--bandwidth-mbit``) is kept while the transport moves k times fewer
+bytes per second, which 2 cores can carry. Step times are reported as
+measured and, divided by k, at the cluster's scale. Every run records each
+process' CPU busy fraction (CPU time over wall time); the bench warns when
+the processes together keep the machine's cores busy, since then the
+machine, not the emulated network, sets the step time.
+
 Without network namespaces (not root, no iproute2), the workers' transport
 shapes itself (``PROPHET_TF_SHAPE_MBIT``, a token bucket per PS connection
 and direction, see ``prophet_tf.bench.shaping``) on loopback: the output says
@@ -49,6 +64,7 @@ import time
 from prophet_tf import cluster as cluster_lib
 from prophet_tf.bench import ideal as ideal_lib
 from prophet_tf.bench import models, netns
+from prophet_tf.bench import worker as worker_lib
 from prophet_tf.engine import schedulers as schedulers_lib
 
 __all__ = ["run_bench", "main", "DEFAULTS", "WARMUP_STEPS"]
@@ -69,6 +85,10 @@ DEFAULTS = {"model": "cnn", "workers": 2, "layout": "colocated", "ps": None,
 # PS_PORT + k.
 PS_PORT, WORKER_PORT = 7080, 7070
 RUN_TIMEOUT_S = 900.0
+COMPUTE_MODES = ("real", "emulated")
+#: Above this share of the machine's cores in use by a run's processes, the
+#: machine rather than the emulated network may set the step time.
+BUSY_WARNING = 0.85
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -175,6 +195,7 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
         if addresses:
             spec["ps"] = addresses
         outs, worker_procs = [], []
+        ps_cpu: list[tuple] = []  # (time.monotonic(), each PS task's CPU seconds)
         for j in range(args.workers):
             out = os.path.join(workdir, f"{tag}-worker{j}.json")
             outs.append(out)
@@ -189,6 +210,8 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             argv = [sys.executable, "-m", "prophet_tf.bench.worker", "--framework", framework,
                     "--model", args.model, "--steps", str(args.steps), "--global-batch",
                     str(args.global_batch), "--out", out]
+            if args.compute == "emulated":
+                argv += ["--compute", "emulated", "--scale", repr(args.scale)]
             log = open(os.path.join(workdir, f"{tag}-worker{j}.log"), "wb")
             logs.append(log)
             p = subprocess.Popen(cluster.command(cluster.worker_host(j), argv), stdout=log,
@@ -197,6 +220,8 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             worker_procs.append(p)
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while any(p.poll() is None for p in worker_procs):
+            ps_cpu.append((time.monotonic(), [worker_lib.cpu_seconds(procs[i].pid)
+                                              for i in range(len(ps_addresses))]))
             failed = [p for p in procs if p.poll() not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 break
@@ -209,11 +234,29 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             raise RuntimeError(f"{scheduler} run failed (worker exit codes "
                                f"{[p.poll() for p in worker_procs]}); worker {j} log {path}:\n"
                                f"{tail}")
-        return {"reports": [json.load(open(o)) for o in outs]}
+        reports = [json.load(open(o)) for o in outs]
+        # Each worker measured its own training; the PS tasks are sampled over
+        # the time every worker trained (monotonic clocks are system-wide).
+        busy = {}
+        if ps_addresses:
+            begin = max(r["train_window"][0] for r in reports)
+            end = min(r["train_window"][1] for r in reports)
+            busy = {f"ps{i}": _busy_between(ps_cpu, i, begin, end)
+                    for i in range(len(ps_addresses))}
+        busy.update({f"worker{j}": r.get("cpu_busy") for j, r in enumerate(reports)})
+        return {"reports": reports, "cpu_busy": busy}
     finally:
         _stop(procs)
         for log in logs:
             log.close()
+
+
+def _busy_between(samples: list[tuple], i: int, begin: float, end: float) -> float | None:
+    """Process i's CPU time over wall time between the samples nearest ``begin`` and ``end``."""
+    inside = [(t, cpu[i]) for t, cpu in samples if begin <= t <= end and cpu[i] is not None]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
 def _run_step_time(reports: list[dict], warmup: int) -> float:
@@ -237,6 +280,13 @@ def run_bench(args, out=sys.stdout) -> dict:
         raise ValueError(f"--global-batch must be a multiple of --workers. Received: "
                          f"--global-batch={args.global_batch}, --workers={args.workers}")
     profile = models.load_profile(args.model)
+    if args.compute == "emulated":
+        # The emulated model computes exactly its scaled profile.
+        args.scale = args.time_scale * (args.compute_ms / 1e3 / profile["compute_s"]
+                                        if args.compute_ms else 1.0)
+        profile = scaled_profile(profile, args.scale)
+    link_mbit = args.bandwidth_mbit / args.time_scale
+    latency_ms = args.latency_ms * args.time_scale
     network = None
     shaping = "netns"
     # The PS tasks listen on namespace addresses, not loopback: they need a
@@ -247,10 +297,10 @@ def run_bench(args, out=sys.stdout) -> dict:
         netns.cleanup_leftovers()  # of runs that were killed before their teardown
     else:
         shaping = "transport"
-        shape_env["PROPHET_TF_SHAPE_MBIT"] = str(args.bandwidth_mbit)
+        shape_env["PROPHET_TF_SHAPE_MBIT"] = str(link_mbit)
         print(f"prophet-tf bench: network namespaces unavailable ({why}); shaping inside the "
               f"transport instead (token bucket per worker connection, "
-              f"PROPHET_TF_SHAPE_MBIT={args.bandwidth_mbit}); PS links are not shared and "
+              f"PROPHET_TF_SHAPE_MBIT={link_mbit}); PS links are not shared and "
               f"tf-mwms is unshaped", file=out, flush=True)
     # The namespaces' tbf counts TCP/IP headers; the transport's bucket does not.
     framing = ideal_lib.TCP_FRAMING if shaping == "netns" else 1.0
@@ -260,19 +310,21 @@ def run_bench(args, out=sys.stdout) -> dict:
     with tempfile.TemporaryDirectory(prefix="prophet-tf-bench-") as workdir:
         if ok:
             network = netns.EmulatedNetwork(
-                _Cluster.hosts(args.ps, args.workers, args.layout), args.bandwidth_mbit,
-                args.latency_ms)
+                _Cluster.hosts(args.ps, args.workers, args.layout), link_mbit, latency_ms)
         try:
             if network:
                 network.open()
                 where = (f"{args.workers} worker hosts, {args.ps} PS task(s) on them"
                          if args.layout == "colocated" else
                          f"{args.ps} PS + {args.workers} worker hosts")
+                scaled = (f" (a {args.bandwidth_mbit:g} Mbit/s cluster at time scale "
+                          f"{args.time_scale:g})" if args.time_scale != 1 else "")
                 print(f"prophet-tf bench: emulated network {network.run_id}: {where}, "
-                      f"{args.bandwidth_mbit:g} Mbit/s per link each way, latency "
-                      f"{args.latency_ms:g} ms", file=out, flush=True)
+                      f"{link_mbit:g} Mbit/s per link each way, latency "
+                      f"{latency_ms:g} ms{scaled}", file=out, flush=True)
             cluster = _Cluster(network, args.ps, args.workers, args.layout)
-            compute_reps = min(args.reps, args.compute_reps)
+            # Emulated compute is its profile: nothing to measure.
+            compute_reps = 0 if args.compute == "emulated" else min(args.reps, args.compute_reps)
             for rep in range(args.reps):
                 order = (["compute"] if rep < compute_reps else []) + names
                 for name in order:
@@ -285,9 +337,18 @@ def run_bench(args, out=sys.stdout) -> dict:
                     step = (statistics.fmean(r["profile"]["compute_s"] for r in result["reports"])
                             if name == "compute" else
                             _run_step_time(result["reports"], WARMUP_STEPS))
-                    runs[name].append({"step_time_s": step, "reports": result["reports"]})
+                    runs[name].append({"step_time_s": step, "reports": result["reports"],
+                                       "cpu_busy": result["cpu_busy"]})
+                    busy = [b for b in result["cpu_busy"].values() if b is not None]
                     print(f"rep {rep + 1}/{args.reps} {name:>13}: step {step * 1e3:8.1f} ms "
-                          f"(run {time.monotonic() - t0:.0f} s)", file=out, flush=True)
+                          f"(run {time.monotonic() - t0:.0f} s, CPU busy {sum(busy):.2f} of "
+                          f"{os.cpu_count()} cores, most {max(busy, default=0):.2f})",
+                          file=out, flush=True)
+                    if sum(busy) > BUSY_WARNING * (os.cpu_count() or 1):
+                        print(f"prophet-tf bench: WARNING: the {name} run kept "
+                              f"{sum(busy):.2f} of {os.cpu_count()} cores busy: the machine, "
+                              f"not the emulated network, may set its step time",
+                              file=out, flush=True)
         finally:
             if network:
                 network.close()
@@ -300,8 +361,8 @@ def run_bench(args, out=sys.stdout) -> dict:
         compute_s = profile["compute_s"]
     else:
         compute_s = profile["compute_s"]
-    bound = ideal_lib.ideal_step_time(profile, args.workers, args.ps, args.bandwidth_mbit,
-                                      args.latency_ms, layout=args.layout, framing=framing)
+    bound = ideal_lib.ideal_step_time(profile, args.workers, args.ps, link_mbit,
+                                      latency_ms, layout=args.layout, framing=framing)
     config = {"model": args.model, "workers": args.workers, "ps": args.ps,
               "layout": args.layout,
               "scheduler_settings": {n: scheduler_settings(n, profile, args.ps,
@@ -309,6 +370,9 @@ def run_bench(args, out=sys.stdout) -> dict:
                                      for n in names if n != "tf-mwms"},
               "bytescheduler_search": search,
               "bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms,
+              "compute": args.compute, "compute_scale": args.scale,
+              "time_scale": args.time_scale, "link_mbit": link_mbit,
+              "link_latency_ms": latency_ms,
               "steps": args.steps, "warmup_steps": WARMUP_STEPS, "reps": args.reps,
               "global_batch": args.global_batch, "schedulers": names, "shaping": shaping,
               "num_params": profile["num_params"], "model_bytes": profile["trainable_bytes"],
@@ -320,7 +384,13 @@ def run_bench(args, out=sys.stdout) -> dict:
     for name in names:
         times = [r["step_time_s"] for r in runs[name]]
         step = statistics.median(times)
+        busy = [r["cpu_busy"] for r in runs[name]]
         results.append({"scheduler": name, "step_time_s": step, "step_time_s_all": times,
+                        "cluster_step_time_s": step / args.time_scale,
+                        "cpu_busy": {p: statistics.median(b[p] for b in busy
+                                                          if b.get(p) is not None)
+                                     for p in busy[0] if any(b.get(p) is not None
+                                                             for b in busy)},
                         "samples_per_s": args.global_batch / step,
                         "ideal_step_time_s": bound["ideal_s"],
                         "per_step_s": [[statistics.fmean(s) for s in zip(
@@ -337,12 +407,24 @@ def _tune_bytescheduler(args, compute_runs: list, profile: dict, framing: float,
     if compute_runs:
         profile = compute_runs[0]["reports"][0]["profile"]
     chosen, rows = tuning.tune_bytescheduler(
-        profile, args.workers, args.ps, args.bandwidth_mbit, latency_ms=args.latency_ms,
-        layout=args.layout, framing=framing)
+        profile, args.workers, args.ps, args.bandwidth_mbit / args.time_scale,
+        latency_ms=args.latency_ms * args.time_scale, layout=args.layout, framing=framing)
     print(f"prophet-tf bench: bytescheduler tuned over {len(rows)} settings (simulated): "
           f"partition_bytes={chosen['partition_bytes']}, credit_bytes={chosen['credit_bytes']}",
           file=out, flush=True)
     return chosen, rows
+
+
+def scaled_profile(profile: dict, scale: float) -> dict:
+    """``profile`` with every compute time multiplied by ``scale`` (what the
+    emulated model of it computes; ``prophet_tf.bench.emulated``)."""
+    times = ("forward_s", "backward_s", "compute_s", "step_s")
+    variables = [{**v, "forward_s": v["forward_s"] * scale,
+                  "backward_ready_s": v["backward_ready_s"] * scale}
+                 for v in profile["variables"]]
+    return {**{k: v for k, v in profile.items() if not k.endswith("_all")},
+            **{k: profile[k] * scale for k in times if k in profile},
+            "variables": variables, "emulated_scale": scale}
 
 
 def scheduler_settings(name: str, profile: dict, num_ps: int,
@@ -364,8 +446,13 @@ def scheduler_settings(name: str, profile: dict, num_ps: int,
 
 def print_table(result: dict, out=sys.stdout) -> None:
     c = result["config"]
-    print(f"\nmodel {c['model']} ({c['num_params']:,} parameters), {c['workers']} workers, "
-          f"{c['ps']} PS ({c.get('layout', 'dedicated')}), {c['bandwidth_mbit']:g} Mbit/s, latency {c['latency_ms']:g} ms, "
+    k = c.get("time_scale", 1.0)
+    scale = (f", time scale {k:g} (links {c['link_mbit']:g} Mbit/s; 'cluster ms' = step / {k:g})"
+             if k != 1 else "")
+    print(f"\nmodel {c['model']} ({c['num_params']:,} parameters, "
+          f"{c.get('compute', 'real')} compute), {c['workers']} workers, "
+          f"{c['ps']} PS ({c.get('layout', 'dedicated')}), {c['bandwidth_mbit']:g} Mbit/s, "
+          f"latency {c['latency_ms']:g} ms{scale}, "
           f"global batch {c['global_batch']}, {c['steps']} steps ({c['warmup_steps']} warm-up), "
           f"{c['reps']} reps, shaping: {c['shaping']}", file=out)
     b = c["ideal"]
@@ -374,14 +461,18 @@ def print_table(result: dict, out=sys.stdout) -> None:
           f"critical chain {b['chain_s'] * 1e3:.1f} of variable {b['chain_variable']})",
           file=out)
     fifo = next((r["step_time_s"] for r in result["results"] if r["scheduler"] == "fifo"), None)
+    cluster = f" {'cluster ms':>10}" if k != 1 else ""
     print(f"{'scheduler':>13} {'step ms':>9} {'min-max ms':>15} {'samples/s':>10} "
-          f"{'vs fifo':>8} {'vs ideal':>9}", file=out)
+          f"{'vs fifo':>8} {'vs ideal':>9} {'CPU busy':>8}{cluster}", file=out)
     for r in result["results"]:
         lo, hi = min(r["step_time_s_all"]), max(r["step_time_s_all"])
         vs = f"{r['step_time_s'] / fifo:.2f}" if fifo else "-"
+        busy = sum((r.get("cpu_busy") or {}).values())
+        at_scale = f" {r['step_time_s'] / k * 1e3:10.1f}" if k != 1 else ""
         print(f"{r['scheduler']:>13} {r['step_time_s'] * 1e3:9.1f} "
               f"{lo * 1e3:7.1f}-{hi * 1e3:<7.1f} {r['samples_per_s']:10.1f} {vs:>8} "
-              f"{r['step_time_s'] / r['ideal_step_time_s']:9.2f}", file=out)
+              f"{r['step_time_s'] / r['ideal_step_time_s']:9.2f} {busy:8.2f}{at_scale}",
+              file=out)
 
 
 def _parse(argv):
@@ -394,7 +485,17 @@ def _parse(argv):
                f"--schedulers {d['schedulers']}. The first {WARMUP_STEPS} steps of every run "
                "are warm-up (Prophet's 2 skipped + 5 profiled iterations, and the "
                "one that plans) and are left out for every scheduler.")
-    parser.add_argument("--model", default=d["model"], choices=models.MODELS)
+    parser.add_argument("--model", default=d["model"], choices=models.MODELS + models.APPLICATIONS,
+                        help="the paper's models (resnet50, vgg16, inceptionv3) need "
+                             "--compute emulated")
+    parser.add_argument("--compute", default="real", choices=COMPUTE_MODES,
+                        help="real: train the model; emulated: its profile's compute "
+                             "times without using a CPU (default %(default)s)")
+    parser.add_argument("--compute-ms", type=float, default=None,
+                        help="emulated: one step's compute per worker (default: as profiled)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="emulated: compute and latency x k, link bandwidth / k "
+                             "(default 1)")
     parser.add_argument("--workers", type=int, default=d["workers"])
     parser.add_argument("--layout", default=d["layout"], choices=ideal_lib.LAYOUTS,
                         help="colocated: PS tasks on the worker hosts; dedicated: hosts of "
@@ -418,6 +519,16 @@ def _parse(argv):
     args = parser.parse_args(argv)
     if args.ps is None:
         args.ps = args.workers if args.layout == "colocated" else 1
+    if args.compute == "real" and (args.model not in models.MODELS or args.compute_ms
+                                   or args.time_scale != 1):
+        parser.error(f"--model {args.model}, --compute-ms and --time-scale need --compute "
+                     f"emulated (this machine computes only {', '.join(models.MODELS)} for "
+                     f"real). Received: --model={args.model}, --compute-ms={args.compute_ms}, "
+                     f"--time-scale={args.time_scale}")
+    if not args.time_scale > 0 or (args.compute_ms is not None and not args.compute_ms > 0):
+        parser.error(f"--time-scale and --compute-ms must be > 0. Received: "
+                     f"--time-scale={args.time_scale}, --compute-ms={args.compute_ms}")
+    args.scale = 1.0  # run_bench sets it for emulated compute
     if args.layout == "colocated" and args.workers >= 1 and args.ps % args.workers:
         parser.error(f"--layout colocated puts the same number of PS tasks on every worker "
                      f"host: --ps must be a multiple of --workers. Received: --ps={args.ps}, "

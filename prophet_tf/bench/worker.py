@@ -14,11 +14,15 @@ its forward + backward time). Both read the same
 synthetic data in the same order, ``--global-batch`` rows per step split
 evenly over the workers, with the same optimizer.
 
-Step times: a Keras callback takes ``time.perf_counter()`` at the start of
+Step times: a Keras callback takes ``time.monotonic()`` at the start of
 the first batch and at the end of every batch; step i's time is the time
 between the ends of batches i-1 and i (step 0: since its start). The output
 JSON has ``step_times_s`` (every step, warm-up included; the bench drops the
 warm-up) and the framework, scheduler and worker index.
+
+``--compute emulated --scale S`` trains instead the emulated model of the
+model's saved profile (``prophet_tf.bench.emulated``): the real variables,
+compute times of the profile times S that use no CPU.
 """
 from __future__ import annotations
 
@@ -41,7 +45,13 @@ def _parse(argv):
     parser.add_argument("--steps", type=int, required=True, help="training steps (all counted)")
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--out", required=True, help="where to write the step times (JSON)")
+    parser.add_argument("--compute", choices=("real", "emulated"), default="real")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="emulated compute: the profile's times are multiplied by this")
     args = parser.parse_args(argv)
+    if args.compute == "emulated" and args.framework == "local":
+        parser.error("--framework local profiles real compute; emulated compute is the "
+                     "profile itself. Received: --compute emulated")
     if args.steps < 1 or args.global_batch < 1:
         parser.error(f"--steps and --global-batch must be >= 1. Received: --steps={args.steps}, "
                      f"--global-batch={args.global_batch}")
@@ -57,12 +67,18 @@ def _timer_callback(base):
             self.begin = None
             self.ends = []
 
+        # time.monotonic: one clock for every process (the bench compares them).
         def on_train_batch_begin(self, batch, logs=None):
             if self.begin is None:
-                self.begin = time.perf_counter()
+                self.begin, self.cpu_begin = time.monotonic(), cpu_seconds()
 
         def on_train_batch_end(self, batch, logs=None):
-            self.ends.append(time.perf_counter())
+            self.ends.append(time.monotonic())
+            self.cpu_end = cpu_seconds()
+
+        def cpu_busy(self):
+            """This process' CPU time over the wall time of training."""
+            return (self.cpu_end - self.cpu_begin) / (self.ends[-1] - self.begin)
 
         def step_times(self):
             marks = [self.begin] + self.ends
@@ -79,7 +95,7 @@ def main(argv=None) -> int:
 
     tf.config.threading.set_intra_op_parallelism_threads(models.INTRA_OP_THREADS)
     tf.config.threading.set_inter_op_parallelism_threads(models.INTER_OP_THREADS)
-    x, y = models.synthetic_data(args.model, args.steps * args.global_batch)
+    build, (x, y), loss = _model_builder(args)
     tf_config = json.loads(os.environ.get("TF_CONFIG", "{}"))
     index = int(tf_config.get("task", {}).get("index", 0))
     scheduler = None
@@ -91,9 +107,9 @@ def main(argv=None) -> int:
         strategy = prophet_tf.Strategy()
         scheduler = strategy.scheduler
         with strategy.scope():
-            model = models.build_model(args.model, keras)
+            model = build(keras)
             model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                          loss=loss(keras))
         timer = _timer_callback(keras.callbacks.Callback)
         model.fit(x, y, batch_size=args.global_batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=[timer])
@@ -119,9 +135,9 @@ def main(argv=None) -> int:
             implementation=tf.distribute.experimental.CommunicationImplementation.RING)
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         with strategy.scope():
-            model = models.build_model(args.model, tf_keras)
+            model = build(tf_keras)
             model.compile(optimizer=tf_keras.optimizers.SGD(0.01, momentum=0.9),
-                          loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                          loss=loss(tf_keras))
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
         data_options = tf.data.Options()
         data_options.experimental_distribute.auto_shard_policy = \
@@ -131,9 +147,36 @@ def main(argv=None) -> int:
         model.fit(dataset, epochs=1, steps_per_epoch=args.steps, verbose=0, callbacks=[timer])
     result = {"framework": args.framework, "scheduler": scheduler, "worker": index,
               "model": args.model, "num_params": int(model.count_params()),
-              "global_batch": args.global_batch, "step_times_s": timer.step_times()}
+              "global_batch": args.global_batch, "step_times_s": timer.step_times(),
+              "cpu_busy": timer.cpu_busy(),
+              "train_window": [timer.begin, timer.ends[-1]]}
     _write(args.out, result)
     return 0
+
+
+def _model_builder(args):
+    """``(build(keras_module), (x, y), loss(keras_module))`` of the run's model."""
+    from prophet_tf.bench import emulated, models
+
+    num_samples = args.steps * args.global_batch
+    if args.compute == "emulated":
+        profile = models.load_profile(args.model)
+        return (lambda k: emulated.build_emulated_model(profile, k, args.scale),
+                emulated.emulated_data(num_samples), lambda k: k.losses.MeanSquaredError())
+    return (lambda k: models.build_model(args.model, k),
+            models.synthetic_data(args.model, num_samples),
+            lambda k: k.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def cpu_seconds(pid: int | str = "self") -> float | None:
+    """A live process' CPU time so far, all threads (None: it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command: utime and stime are fields 11 and 12 (0-based), in ticks.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _write(path: str, result: dict) -> None:

@@ -1,0 +1,93 @@
+"""Emulated compute: the emulated model's gradients become ready as its profile says,
+it computes without using the CPU, and the bench runs it under every framework."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from prophet_tf.bench import emulated, models, runner
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("name, compute_s", [("cnn", 0.3), ("resnet50", 0.6)])
+def test_emulated_readiness_matches_the_scaled_profile(name, compute_s):
+    import keras
+
+    profile = models.load_profile(name)
+    scale = compute_s / profile["compute_s"]
+    want = runner.scaled_profile(profile, scale)
+    model = emulated.build_emulated_model(profile, keras, scale)
+    assert [tuple(v.shape) for v in model.trainable_variables] == \
+        [tuple(v["shape"]) for v in profile["variables"]]  # real shapes, forward order
+    x, y = emulated.emulated_data(8)
+    got = models.profile_model(name, 8, iterations=3, warmup=1, model=model, data=(x, y),
+                               loss_fn=keras.losses.MeanSquaredError())
+    # Every variable of a layer is ready when the layer's backward gap has passed
+    # after the next layer's: its own readiness in the profile, or, where the real
+    # backprop was not in reverse layer order, its layer's latest (emulated.py).
+    expected, ready = [], 0.0
+    for layer in reversed(emulated.emulated_layers(profile, scale)):
+        ready += layer["backward_s"]
+        expected = [ready] * len(layer["variables"]) + expected
+    for v, e in zip(want["variables"], expected):
+        assert e >= v["backward_ready_s"] - 1e-9  # never earlier than measured
+    tolerance = 0.1 * want["backward_s"]
+    for v, ready in zip(got["variables"], expected):
+        assert abs(v["backward_ready_s"] - ready) <= tolerance, (v["name"], v["backward_ready_s"],
+                                                                ready)
+    assert got["forward_s"] == pytest.approx(want["forward_s"], rel=0.1, abs=0.01)
+    assert got["backward_s"] == pytest.approx(want["backward_s"], rel=0.1, abs=0.01)
+
+
+def test_emulated_layers_keep_every_variable_and_the_total_times():
+    profile = models.load_profile("inceptionv3")
+    layers = emulated.emulated_layers(profile, 2.0)
+    shapes = [v["shape"] for layer in layers for v in layer["variables"]]
+    assert shapes == [tuple(v["shape"]) for v in profile["variables"]]
+    forward = sum(layer["forward_s"] for layer in layers)
+    assert forward == pytest.approx(2.0 * sum(v["forward_s"] for v in profile["variables"]))
+    backward = sum(layer["backward_s"] for layer in layers)
+    assert backward == pytest.approx(2.0 * max(v["backward_ready_s"]
+                                               for v in profile["variables"]))
+    assert all(layer["backward_s"] >= 0 for layer in layers)
+    with pytest.raises(ValueError, match="Received: scale=0"):
+        emulated.emulated_layers(profile, 0)
+
+
+def _bench(tmp_path, *options):
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "prophet_tf", "bench", "--compute", "emulated",
+                    "--steps", "10", "--reps", "1", *options, "--json", str(out)],
+                   check=True, timeout=280, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    return json.loads(out.read_text())
+
+
+def _check(result, compute_s, time_scale):
+    c = result["config"]
+    assert c["compute"] == "emulated" and c["time_scale"] == time_scale
+    assert c["compute_s"] == pytest.approx(compute_s)
+    for r in result["results"]:
+        assert r["step_time_s"] >= c["compute_s"]  # no run is faster than its compute
+        assert r["cluster_step_time_s"] == pytest.approx(r["step_time_s"] / time_scale)
+        # Measured for every process of the run (2 workers, and 2 PS tasks for prophet_tf).
+        assert len(r["cpu_busy"]) == (2 if r["scheduler"] == "tf-mwms" else 4)
+        assert all(0 <= b < 2.5 for b in r["cpu_busy"].values())
+
+
+def test_bench_runs_the_emulated_cnn_under_prophet_tf_and_tf_mwms(tmp_path):
+    result = _bench(tmp_path, "--model", "cnn", "--compute-ms", "50", "--time-scale", "2",
+                    "--bandwidth-mbit", "400", "--schedulers", "prophet,tf-mwms")
+    assert result["config"]["link_mbit"] == 200
+    _check(result, 0.1, 2)  # 50 ms at time scale 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_runs_an_emulated_paper_model(tmp_path):
+    result = _bench(tmp_path, "--model", "resnet50", "--compute-ms", "150", "--time-scale",
+                    "4", "--bandwidth-mbit", "4000", "--schedulers", "fifo,prophet,tf-mwms")
+    assert result["config"]["link_mbit"] == 1000
+    _check(result, 0.6, 4)

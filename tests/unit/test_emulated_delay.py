@@ -1,0 +1,231 @@
+"""Tests of the EmulatedDelay op and prophet_tf.bench.emulation.delay.
+
+Timings are wall clock around a warm tf.function (or eager call) that does
+nothing but the delay, median of several, so a busy shared machine moves them
+little; a delay must never finish early.
+"""
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from prophet_tf.bench import emulation
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _wall(fn, *args, repeats=7):
+    fn(*args)  # warm-up: tracing, the timer thread's start
+    times = []
+    for _ in range(repeats):
+        start = time.monotonic()
+        fn(*args)
+        times.append(time.monotonic() - start)
+    return times
+
+
+# ---------------------------------------------------------------- timing
+
+def test_delay_takes_its_seconds_in_a_tf_function():
+    @tf.function
+    def step():
+        # Constant inputs only: a folded op would take no time after tracing.
+        return emulation.delay(tf.constant([1.0, 2.0]), 0.2)
+
+    times = _wall(step)
+    assert min(times) >= 0.2, times
+    assert statistics.median(times) == pytest.approx(0.2, rel=0.1), times
+
+
+def test_delay_takes_its_seconds_eagerly():
+    x = tf.constant([1.0])
+    times = _wall(lambda: emulation.delay(x, 0.1), repeats=5)
+    assert min(times) >= 0.1, times
+    assert statistics.median(times) == pytest.approx(0.1, rel=0.1), times
+
+
+def test_zero_seconds_completes_at_once():
+    @tf.function
+    def step(x):
+        return emulation.delay(x, 0.0)
+
+    times = _wall(step, tf.constant([1.0]))
+    assert statistics.median(times) < 0.02, times
+
+
+def test_waiting_burns_no_cpu():
+    @tf.function
+    def step(x):
+        return emulation.delay(x, 0.5)
+
+    x = tf.constant([1.0])
+    step(x)
+    fractions = []
+    for _ in range(3):
+        wall0, cpu0 = time.monotonic(), time.process_time()  # every thread of the process
+        step(x)
+        wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
+        assert wall >= 0.5
+        fractions.append(cpu / wall)
+    assert statistics.median(fractions) < 0.05, fractions
+
+
+def test_concurrent_delays_take_the_longest_not_the_sum():
+    seconds = np.linspace(0.05, 0.3, 50)
+
+    @tf.function
+    def step(x):
+        return tf.stack([emulation.delay(x + i, float(s)) for i, s in enumerate(seconds)])
+
+    x = tf.constant(1.0)
+    times = _wall(step, x, repeats=3)
+    out = step(x)
+    np.testing.assert_array_equal(out.numpy(), 1.0 + np.arange(50, dtype=np.float32))
+    # The sum would be 8.75 s: the delays overlap and hold no inter-op thread.
+    assert min(times) >= 0.3, times
+    assert statistics.median(times) < 0.3 * 1.5, times
+
+
+def test_after_orders_delays():
+    @tf.function
+    def chained(x):
+        a = emulation.delay(x, 0.1)
+        b = emulation.delay(x + 1.0, 0.1, after=[a])
+        return a + b
+
+    @tf.function
+    def independent(x):
+        return emulation.delay(x, 0.1) + emulation.delay(x + 1.0, 0.1)
+
+    x = tf.constant(1.0)
+    chained_times = _wall(chained, x, repeats=3)
+    independent_times = _wall(independent, x, repeats=3)
+    assert min(chained_times) >= 0.2, chained_times
+    assert statistics.median(independent_times) < 0.15, independent_times
+
+
+def test_unused_delay_still_runs():
+    @tf.function
+    def step(x):
+        emulation.delay(x, 0.1)  # output dropped: stateful, so not pruned
+        return x + 1.0
+
+    assert min(_wall(step, tf.constant(1.0), repeats=3)) >= 0.1
+
+
+# ---------------------------------------------------------------- exit
+
+EXIT_WITH_PENDING_DELAYS = textwrap.dedent('''
+    import threading, time
+    import tensorflow as tf
+    from prophet_tf.bench import emulation
+
+    x = tf.constant([1.0])
+    step = tf.function(lambda x, s: emulation.delay(x, s))
+    step(x, tf.constant(0.001))
+
+    def loop(s):
+        while True:
+            step(x, tf.constant(s))
+
+    # Deadlines keep passing while the interpreter and TensorFlow shut down.
+    for i in range(8):
+        threading.Thread(target=loop, args=(0.001 * (i + 1),), daemon=True).start()
+    threading.Thread(target=lambda: emulation.delay(x, 5.0), daemon=True).start()
+    time.sleep(0.3)
+    print("exiting", flush=True)
+''')
+
+
+def test_exit_with_pending_delays_is_clean():
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", EXIT_WITH_PENDING_DELAYS], capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout == "exiting\n"
+
+
+# ---------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("bad,text", [(-1.0, "-1"), (float("nan"), "nan"), (float("inf"), "inf")])
+def test_bad_seconds_are_rejected(bad, text):
+    pattern = rf"seconds must be finite.*Received: seconds={text}\b"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=pattern):
+        emulation.delay(tf.constant([1.0]), bad)
+
+    @tf.function
+    def step(x, s):
+        return emulation.delay(x, s)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=pattern):
+        step(tf.constant([1.0]), tf.constant(bad))
+
+
+def test_non_scalar_seconds_are_rejected():
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"seconds.shape=\[2\]"):
+        emulation.delay(tf.constant([1.0]), [0.1, 0.2])
+
+
+# ---------------------------------------------------------------- values and gradient
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.int32])
+def test_output_is_the_input(dtype):
+    x = tf.constant([[1, -2, 3], [4, 5, -6]], dtype=dtype)
+    y = emulation.delay(x, 0.01)
+    assert y.dtype == dtype and y.shape == x.shape
+    np.testing.assert_array_equal(y.numpy(), x.numpy())
+    assert y._numpy().ctypes.data == x._numpy().ctypes.data  # forwarded, not copied
+
+    @tf.function
+    def step(x):
+        return emulation.delay(x, 0.01)
+
+    spec = tf.TensorSpec([None, 3], dtype)
+    assert step.get_concrete_function(spec).structured_outputs.shape.as_list() == [None, 3]
+    y = step(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    np.testing.assert_array_equal(y.numpy(), x.numpy())
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16])
+def test_gradient_is_the_identity(dtype):
+    x = tf.Variable([1.0, -2.0, 3.0], dtype=dtype)
+    seconds = tf.Variable(0.01)
+    weights = tf.constant([2.0, 3.0, -4.0], dtype=dtype)
+
+    def grads():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(emulation.delay(x * weights, seconds) * weights)
+        return tape.gradient(loss, [x, seconds])
+
+    for fn in (grads, tf.function(grads)):
+        dx, dseconds = fn()
+        assert dx.dtype == dtype
+        np.testing.assert_array_equal(dx.numpy(), (weights * weights).numpy())
+        assert dseconds is None
+
+
+@pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
+def test_trains_in_a_keras_model(keras_name):
+    keras = pytest.importorskip(keras_name)
+
+    class Delay(keras.layers.Layer):
+        def call(self, x):
+            return emulation.delay(x, 0.02)
+
+    inputs = keras.Input((3,))
+    dense = keras.layers.Dense(1)
+    model = keras.Model(inputs, dense(Delay()(inputs)))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    before = [w.numpy() for w in dense.weights]
+    start = time.monotonic()
+    history = model.fit(np.ones((32, 3), "float32"), np.zeros((32, 1), "float32"),
+                        batch_size=8, epochs=1, verbose=0)
+    assert time.monotonic() - start >= 4 * 0.02  # one delay per step
+    assert np.isfinite(history.history["loss"][0])
+    assert all(np.any(b != w.numpy()) for b, w in zip(before, dense.weights))

@@ -202,7 +202,7 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             extra = {"TF_CONFIG": json.dumps({"cluster": spec,
                                               "task": {"type": "worker", "index": j}})}
             if framework == "prophet":
-                extra["PROPHET_TF_SCHEDULER"] = scheduler + (
+                extra["PROPHET_TF_SCHEDULER"] = scheduler.partition(":")[0] + (
                     ":" + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
                 extra.update(shape_env)
                 if args.timeline_dir:
@@ -269,10 +269,11 @@ def _run_step_time(reports: list[dict], warmup: int) -> float:
 
 def run_bench(args, out=sys.stdout) -> dict:
     """Runs the configuration of ``args`` (see :func:`_parse`); returns the JSON dict."""
-    names = [n.strip() for n in args.schedulers.split(",") if n.strip()]
+    names = scheduler_specs(args.schedulers)
+    given: dict[str, dict] = {}  # scheduler spec -> the options it names
     for n in names:
         if n != "tf-mwms":
-            schedulers_lib.validate_scheduler(n)
+            _, given[n] = schedulers_lib.parse_scheduler(n)
     if args.steps <= WARMUP_STEPS:
         raise ValueError(f"--steps must exceed the {WARMUP_STEPS} warm-up steps. "
                          f"Received: --steps={args.steps}")
@@ -305,7 +306,7 @@ def run_bench(args, out=sys.stdout) -> dict:
     # The namespaces' tbf counts TCP/IP headers; the transport's bucket does not.
     framing = ideal_lib.TCP_FRAMING if shaping == "netns" else 1.0
     runs = {n: [] for n in ["compute"] + names}
-    options: dict[str, dict] = {}  # scheduler -> its tuned options
+    options = {n: o for n, o in given.items() if o}  # scheduler spec -> its options
     search: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="prophet-tf-bench-") as workdir:
         if ok:
@@ -415,6 +416,19 @@ def _tune_bytescheduler(args, compute_runs: list, profile: dict, framing: float,
     return chosen, rows
 
 
+def scheduler_specs(text: str) -> list[str]:
+    """The entries of ``--schedulers``: names, or a name with options
+    (``prophet:partition_bytes=200000,...``: a field with ``=`` and no ``:``
+    belongs to the entry before it)."""
+    specs: list[str] = []
+    for field in (f.strip() for f in text.split(",")):
+        if "=" in field and ":" not in field and specs:
+            specs[-1] += "," + field
+        elif field:
+            specs.append(field)
+    return specs
+
+
 def scaled_profile(profile: dict, scale: float) -> dict:
     """``profile`` with every compute time multiplied by ``scale`` (what the
     emulated model of it computes; ``prophet_tf.bench.emulated``)."""
@@ -435,7 +449,7 @@ def scheduler_settings(name: str, profile: dict, num_ps: int,
     from prophet_tf.bench import simulate  # the profile's specs, as simulated
     from prophet_tf.engine.dispatch import Dispatch
 
-    scheduler = schedulers_lib.make_scheduler(name, **(options or {}))
+    scheduler = schedulers_lib.make_scheduler(name.partition(":")[0], **(options or {}))
     specs = simulate.specs_of(profile)
     dispatch = Dispatch([s.key for s in specs], specs, num_ps, scheduler)
     options = {k: getattr(scheduler, k) for k in scheduler.OPTIONS}
@@ -510,7 +524,8 @@ def _parse(argv):
     parser.add_argument("--reps", type=int, default=d["reps"], help="interleaved repetitions")
     parser.add_argument("--global-batch", type=int, default=d["global_batch"])
     parser.add_argument("--schedulers", default=d["schedulers"],
-                        help="comma-separated: fifo, p3, bytescheduler, prophet, tf-mwms")
+                        help="comma-separated: fifo, p3, bytescheduler, prophet, tf-mwms; a "
+                             "scheduler may name options (prophet:partition_bytes=200000)")
     parser.add_argument("--compute-reps", type=int, default=2,
                         help="compute-only runs (first reps); 0 = the profile's compute time")
     parser.add_argument("--json", default=None, help="write the results here")

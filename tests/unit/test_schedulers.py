@@ -455,10 +455,13 @@ def test_registry_and_partition_sizes():
     assert list(schedulers.SCHEDULERS) == ALL
     assert schedulers.DEFAULT_PARTITION_BYTES == sharding.DEFAULT_MAX_PARTITION_BYTES
     sizes = {n: schedulers.make_scheduler(n).partition_bytes for n in ALL}
-    assert sizes == {"fifo": None, "p3": 200_000, "bytescheduler": 4_096_000, "prophet": 512 * 1024}
+    assert sizes == {"fifo": None, "p3": 200_000, "bytescheduler": 4_096_000, "prophet": 200_000}
     assert schedulers.make_scheduler("p3", slice_bytes=1000).partition_bytes == 1000
     bs = schedulers.make_scheduler("bytescheduler", partition_bytes=1000)
     assert (bs.partition_bytes, bs.credit_bytes) == (1000, 4000)
+    prophet = schedulers.make_scheduler("prophet", partition_bytes=65536)
+    assert prophet.partition_bytes == 65536
+    assert schedulers.make_scheduler("prophet").partition_bytes == 200_000  # P3's slice
     for n in ALL:
         json.dumps(schedulers.make_scheduler(n).plan())
 
@@ -468,7 +471,8 @@ def test_registry_and_partition_sizes():
     (None, {}, r"Received: scheduler=None"),
     ("fifo", {"slice_bytes": 1}, r"valid options: none\. Received: slice_bytes=1"),
     ("p3", {"credit_bytes": 1}, r"valid options: slice_bytes\. Received: credit_bytes=1"),
-    ("prophet", {"partition_bytes": 1}, r"valid options: none"),
+    ("prophet", {"slice_bytes": 1}, r"valid options: partition_bytes\. Received: slice_bytes=1"),
+    ("prophet", {"partition_bytes": 0}, r"must be positive\. Received: partition_bytes=0"),
     ("p3", {"slice_bytes": 0}, r"must be positive\. Received: slice_bytes=0"),
     ("bytescheduler", {"credit_bytes": -5}, r"must be positive\. Received: credit_bytes=-5"),
     ("bytescheduler", {"partition_bytes": 4.5}, r"must be an int .*partition_bytes=4\.5"),

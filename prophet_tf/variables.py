@@ -67,9 +67,9 @@ class PSVariable(resource_variable_ops.ResourceVariable):
     def _read_variable_op(self, no_copy=False):
         del no_copy  # The staged tensor is shared, never copied.
         resource_variable_ops.variable_accessed(self)
-        with tf.device(_native.HOST):  # Under the compute device's scope: its host.
-            value = _native.await_param(self._ps_step.read_value(), key=self._native_key,
-                                        dtype=self.dtype, shape=self.shape)
+        # await_param runs on the host CPU; the step is read where it lives, the host.
+        value = _native.await_param(self._ps_step.read_value(), key=self._native_key,
+                                    dtype=self.dtype, shape=self.shape)
         # Gradients flow to the variable's handle as through ReadVariableOp.
         record.record_operation("AwaitParam", [value], [self.handle],
                                 backward_function=lambda x: [x],

@@ -35,13 +35,14 @@ class Gatherer:
 
     Args:
         num_workers: W.
-        failure: ``(round, missing workers)`` -> why the round can never
-            complete (the job failed, a missing worker left), or None.
+        failure: ``missing workers`` -> why a round missing them can never
+            complete: ``(the job's failure, True)``, ``(a worker's
+            departure, False)``, or None.
         what: what a round is, in messages ("gather round", "verdict of step").
         same_calls: what every worker must do for the rounds to match, in messages.
     """
 
-    def __init__(self, num_workers: int, failure: Callable[[int, list], str | None],
+    def __init__(self, num_workers: int, failure: Callable[[list], tuple[str, bool] | None],
                  what: str = "gather round",
                  same_calls: str = "every worker must run the same evaluate, predict and "
                                    "fit calls"):
@@ -96,9 +97,12 @@ class Gatherer:
                     return list(entry.payloads)
             # Outside this lock: the check takes the servicer's, which holds it
             # while it wakes the waiting calls.
-            failure = self._failure(round_id, missing)
+            failure = self._failure(missing)
             if failure:
-                raise RpcError(grpc.StatusCode.ABORTED, failure)
+                message, of_the_job = failure
+                raise RpcError(grpc.StatusCode.ABORTED, message if of_the_job else (
+                    f"{self._what.capitalize()} {round_id} can never be complete: {message} "
+                    f"({self._same_calls})"))
             with self._cond:
                 if all(p is not None for p in entry.payloads):
                     continue

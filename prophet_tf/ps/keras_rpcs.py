@@ -25,17 +25,17 @@ class KerasRPCs:
         return self._answer(lambda r: ps_pb2.GatherResponse(
             payloads=self._gatherer.gather(r, context)), "Gather", request, context)
 
-    def _gather_failure(self, round_id: int, missing: list) -> str | None:
-        """Why a gather round missing ``missing`` can never complete, or None."""
+    def _round_failure(self, missing: list) -> tuple[str, bool] | None:
+        """Why a round (``gather.py``) missing ``missing`` can never complete:
+        ``(the job's failure, True)`` or ``(a missing worker's departure,
+        False)``; None while it still may."""
         with self._lock:
             if self._failure:
-                return self._failure
+                return self._failure, True
             for wid in missing:
                 steps = self._liveness.left_after_locked(wid)
                 if steps is not None:
-                    return (f"Gather round {round_id} can never be complete: worker {wid} left "
-                            f"the job after pushing {steps} steps (every worker must make the "
-                            "same fit, evaluate and predict calls)")
+                    return f"worker {wid} left the job after pushing {steps} steps", False
         return None
 
     def ReadOptimizerState(self, request, context):

@@ -129,10 +129,10 @@ class ParameterServerServicer(KerasRPCs):
             name=f"prophet-tf-ps{ps_index}-watchdog")
         self._applier = apply.Applier(self._lock, f"prophet-tf-ps{ps_index}-apply",
                                       self._applied, self._apply_failed)
-        self._gatherer = gather.Gatherer(num_workers, self._gather_failure)
+        self._gatherer = gather.Gatherer(num_workers, self._round_failure)
         # A loss-scaled model's step verdicts (verdicts.py): a round per step.
         self._verdict_rounds = gather.Gatherer(
-            num_workers, self._verdict_failure, what="verdict of step",
+            num_workers, self._round_failure, what="verdict of step",
             same_calls="a worker sends one verdict per step")
         self._verdicts = verdicts.Verdicts()
 
@@ -287,21 +287,27 @@ class ParameterServerServicer(KerasRPCs):
                     self._applier.set_learning_rate_locked(iteration, learning_rate)
             completed, duplicates = aggregation.add(accepted, wid, W)
             # A loss-scaled step waits for all workers' verdicts.
-            decided = [(part, step, total, self._verdicts.wait_locked(part, step, total)
-                        if model.loss_scaling else True) for part, step, total in completed]
-        for part, step, total, finite in decided:
-            if finite is not None:
-                self._submit(part, step, total, finite)
+            updates = [self._update_locked(part, step, total, self._verdicts.wait_locked(
+                part, step, total) if model.loss_scaling else True)
+                for part, step, total in completed]
+        self._queue(updates)
         return ps_pb2.PushResponse(duplicates=duplicates)
 
-    def _submit(self, part, step: int, total, finite: bool) -> None:
-        """Queues a complete sum: applied, or, for a step that overflowed, skipped."""
-        if finite:
-            with self._lock:
-                iteration = self._verdicts.optimizer_iteration(step)
-            self._applier.submit(part, step, total, iteration)
-        else:
-            self._applier.skip(part, step)
+    def _update_locked(self, part, step: int, total, finite: bool | None) -> tuple | None:
+        """What to queue for a complete sum: ``(part, step, total, optimizer
+        iteration)``, the iteration None for a step that overflowed (skipped);
+        None while the step's verdict is unknown."""
+        if finite is None:
+            return None
+        return part, step, total, self._verdicts.optimizer_iteration(step) if finite else None
+
+    def _queue(self, updates: list) -> None:
+        for update in filter(None, updates):
+            part, step, total, iteration = update
+            if iteration is None:
+                self._applier.skip(part, step)
+            else:
+                self._applier.submit(part, step, total, iteration)
 
     # --------------------------------------------------------------- verdicts
 
@@ -323,24 +329,13 @@ class ParameterServerServicer(KerasRPCs):
         finite = all(p == b"\x01" for p in payloads)
         with self._lock:
             released = self._verdicts.decide_locked(request.round, finite)
+            updates = [self._update_locked(part, request.round, total, finite)
+                       for part, total in released or ()]
         if not finite and released is not None:
             logger.info("Step %d skipped: a worker's gradients were not finite (loss scaling)",
                         request.round)
-        for part, total in released or ():
-            self._submit(part, request.round, total, finite)
+        self._queue(updates)
         return ps_pb2.GatherResponse(payloads=payloads)
-
-    def _verdict_failure(self, step: int, missing: list) -> str | None:
-        """Why the verdict of ``step`` missing ``missing`` can never be complete, or None."""
-        with self._lock:
-            if self._failure:
-                return self._failure
-            for wid in missing:
-                steps = self._liveness.left_after_locked(wid)
-                if steps is not None and steps <= step:
-                    return (f"The verdict of step {step} can never be complete: worker {wid} "
-                            f"left the job after pushing {steps} steps")
-        return None
 
     # ----------------------------------------------------------------- apply
 

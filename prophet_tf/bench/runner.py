@@ -63,7 +63,7 @@ import time
 
 from prophet_tf import cluster as cluster_lib
 from prophet_tf.bench import ideal as ideal_lib
-from prophet_tf.bench import models, netns
+from prophet_tf.bench import models, netns, suite as suite_lib
 from prophet_tf.bench import worker as worker_lib
 from prophet_tf.engine import schedulers as schedulers_lib
 
@@ -531,7 +531,21 @@ def _parse(argv):
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--timeline-dir", default=None,
                         help="keep each prophet_tf run's worker timelines here")
+    parser.add_argument("--suite", default=None, choices=sorted(suite_lib.SUITES),
+                        help="run a grid of configurations into one JSON (paper: the "
+                             "paper's models, bandwidths and worker counts; smoke: a "
+                             "one-minute check); the suite sets every option but --json "
+                             "and --timeline-dir, and an existing --json of the same suite "
+                             "is resumed")
     args = parser.parse_args(argv)
+    if args.suite:
+        defaults = vars(parser.parse_args([]))
+        given = sorted(k for k, v in vars(args).items()
+                       if k not in ("suite", "json", "timeline_dir") and v != defaults[k])
+        if given:
+            parser.error(f"--suite sets every option but --json and --timeline-dir. "
+                         f"Received: {', '.join('--' + k.replace('_', '-') for k in given)}")
+        return args
     if args.ps is None:
         args.ps = args.workers if args.layout == "colocated" else 1
     if args.compute == "real" and (args.model not in models.MODELS or args.compute_ms
@@ -560,6 +574,8 @@ def _parse(argv):
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.suite:
+        return _main_suite(args)
     try:
         result = run_bench(args)
     except (ValueError, RuntimeError, FileNotFoundError, netns.NetnsUnavailable) as e:
@@ -574,6 +590,45 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=1)
         print(f"results written to {args.json}")
     return 0
+
+
+def _main_suite(args) -> int:
+    try:
+        result = suite_lib.run_suite(args.suite, args.json, args.timeline_dir)
+    except (ValueError, RuntimeError, FileNotFoundError, netns.NetnsUnavailable) as e:
+        print(f"prophet-tf bench: suite {args.suite}: {e}", file=sys.stderr)
+        if args.json:
+            print(f"prophet-tf bench: the cells finished so far are in {args.json}; the same "
+                  f"command resumes", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("prophet-tf bench: interrupted; the emulated network was removed", file=sys.stderr)
+        return 130
+    print(f"\nsuite {args.suite}: {len(result['cells'])} cells in "
+          f"{result['elapsed_s'] / 60:.1f} min (this invocation)")
+    print_suite(result)
+    if args.json:
+        print(f"results written to {args.json}")
+    return 0
+
+
+def print_suite(result: dict, out=sys.stdout) -> None:
+    """One line per cell: speedups over FIFO and Prophet's ratios."""
+    rows = suite_lib.summary(result)
+    names = result["suite"]["schedulers"].split(",")
+    print(f"{'model':>12} {'workers':>7} {'Mbit/s':>7} {'FIFO ms':>8} "
+          + " ".join(f"{n:>13}" for n in names if n != "fifo")
+          + f" {'P/tf-mwms':>9} {'P/rival':>8} {'P/ideal':>8}", file=out)
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+    for r in rows:
+        fifo = r["cluster_step_s"].get("fifo")
+        print(f"{r['model']:>12} {r['workers']:>7} {r['bandwidth_mbit']:>7g} "
+              f"{'-' if fifo is None else f'{fifo * 1e3:.1f}':>8} "
+              + " ".join(f"{f(r['speedup_vs_fifo'].get(n)):>13}" for n in names if n != "fifo")
+              + f" {f(r['prophet_vs_tf_mwms']):>9} {f(r['prophet_vs_rival']):>8} "
+                f"{f(r['prophet_vs_ideal']):>8}", file=out)
 
 
 if __name__ == "__main__":

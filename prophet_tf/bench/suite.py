@@ -1,0 +1,175 @@
+"""`prophet-tf bench --suite NAME`: a grid of bench configurations, one JSON.
+
+    prophet-tf bench --suite paper --json benchmarks/suite-paper.json
+    prophet-tf plot benchmarks/suite-paper.json --out docs/suite-paper.png
+
+``paper`` is the setting Prophet was published in: ResNet-50, InceptionV3 and
+VGG16 on GPU workers (emulated compute, this machine's profiles scaled to a
+GPU-class step time), two link bandwidths that bracket where priority
+scheduling pays, 2 and 4 workers with a PS task on every worker host, every
+scheduler and tf-mwms. ``smoke`` runs the same code on the CNN in about a
+minute (the tests run it).
+
+Each cell is one ``prophet-tf bench`` invocation. Its time scale is chosen so
+that every link runs at the rate the suite's transport budget allows
+(``transport_mbit``, split over the workers a host serves): the cluster's
+compute/communication ratio is kept while this machine's cores carry the
+bytes (see ``runner``). The JSON is rewritten after every cell, so an
+interrupted suite loses at most the cell it was running; run the same command
+again and the cells already in the JSON are kept and not run again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+__all__ = ["Suite", "SUITES", "cells", "run_suite", "summary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    name: str
+    models: tuple[str, ...]
+    bandwidths_mbit: tuple[float, ...]
+    workers: tuple[int, ...]
+    #: One step's compute per worker, per model (GPU-class; see the README).
+    compute_ms: dict
+    #: The link rate (Mbit/s) this machine's transport carries for 2 workers;
+    #: with W workers each link gets 2/W of it (a host's link carries
+    #: 2(W-1)/W of the model each way, the machine W times the model).
+    transport_mbit: float
+    steps: int
+    reps: int
+    per_worker_batch: int
+    schedulers: str
+
+
+SUITES = {
+    "paper": Suite("paper", models=("resnet50", "inceptionv3", "vgg16"),
+                   bandwidths_mbit=(3000.0, 10000.0), workers=(2, 4),
+                   # V100-class fp32 training at batch 32 per GPU.
+                   compute_ms={"resnet50": 90.0, "inceptionv3": 130.0, "vgg16": 145.0},
+                   transport_mbit=500.0, steps=12, reps=1, per_worker_batch=32,
+                   schedulers="fifo,p3,bytescheduler,prophet,tf-mwms"),
+    "smoke": Suite("smoke", models=("cnn",), bandwidths_mbit=(400.0,), workers=(2,),
+                   compute_ms={"cnn": 40.0}, transport_mbit=200.0, steps=10, reps=1,
+                   per_worker_batch=32, schedulers="fifo,prophet"),
+}
+
+
+def cells(suite: Suite) -> list[dict]:
+    """The suite's configurations, in the order they run (cheapest first)."""
+    out = []
+    for model in suite.models:
+        for workers in suite.workers:
+            for bandwidth in suite.bandwidths_mbit:
+                link = suite.transport_mbit * 2 / workers
+                out.append({"model": model, "workers": workers, "bandwidth_mbit": bandwidth,
+                            "compute_ms": suite.compute_ms[model],
+                            "time_scale": max(1.0, bandwidth / link)})
+    return out
+
+
+def _key(cell: dict) -> tuple:
+    return cell["model"], cell["workers"], cell["bandwidth_mbit"]
+
+
+def _argv(suite: Suite, cell: dict, timeline_dir: str | None) -> list[str]:
+    argv = ["--model", cell["model"], "--compute", "emulated",
+            "--compute-ms", repr(cell["compute_ms"]), "--time-scale", repr(cell["time_scale"]),
+            "--workers", str(cell["workers"]), "--bandwidth-mbit", repr(cell["bandwidth_mbit"]),
+            "--steps", str(suite.steps), "--reps", str(suite.reps),
+            "--global-batch", str(suite.per_worker_batch * cell["workers"]),
+            "--schedulers", suite.schedulers, "--compute-reps", "0"]
+    if timeline_dir:
+        argv += ["--timeline-dir", os.path.join(
+            timeline_dir, "{model}-w{workers}-{bandwidth_mbit:g}".format(**cell))]
+    return argv
+
+
+def _previous(path: str | None, suite: Suite) -> list[dict]:
+    """The cells of an earlier run of this suite in ``path`` (to keep).
+
+    Raises:
+      ValueError: ``path`` holds something else, or another definition of the suite.
+    """
+    if not path or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"--json {path} exists and is not JSON ({e}); move it away") from None
+    if not isinstance(data, dict) or data.get("suite") != dataclasses.asdict(suite):
+        what = data.get("suite", {}).get("name") if isinstance(data, dict) and \
+            isinstance(data.get("suite"), dict) else "not a suite result"
+        raise ValueError(f"--json {path} holds another result ({what!r}, or a different "
+                         f"definition of suite {suite.name!r}); move it away or name a new "
+                         f"file")
+    wanted = {_key(c) for c in cells(suite)}
+    return [c for c in data.get("cells", []) if _key(c["cell"]) in wanted]
+
+
+def _write(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def run_suite(name: str, json_path: str | None, timeline_dir: str | None = None,
+              out=sys.stdout) -> dict:
+    """Runs every cell of suite ``name`` not already in ``json_path``; returns the JSON dict."""
+    from prophet_tf.bench import runner
+
+    suite = SUITES[name]
+    done = _previous(json_path, suite)
+    have = {_key(c["cell"]) for c in done}
+    result = {"suite": dataclasses.asdict(suite), "cells": done, "elapsed_s": 0.0,
+              "complete": False}
+    todo = [c for c in cells(suite) if _key(c) not in have]
+    if done:
+        print(f"prophet-tf bench: suite {name}: {len(done)} cell(s) kept from {json_path}, "
+              f"{len(todo)} to run", file=out, flush=True)
+    t0 = time.monotonic()
+    for i, cell in enumerate(todo):
+        print(f"\nprophet-tf bench: suite {name}, cell {i + 1}/{len(todo)}: {cell['model']}, "
+              f"{cell['workers']} workers, {cell['bandwidth_mbit']:g} Mbit/s, compute "
+              f"{cell['compute_ms']:g} ms, time scale {cell['time_scale']:g}",
+              file=out, flush=True)
+        args = runner._parse(_argv(suite, cell, timeline_dir))
+        bench = runner.run_bench(args, out)
+        runner.print_table(bench, out)
+        result["cells"].append({"cell": cell, **bench})
+        result["elapsed_s"] = time.monotonic() - t0
+        if json_path:
+            _write(json_path, result)
+    result["complete"] = True
+    result["elapsed_s"] = time.monotonic() - t0
+    if json_path:
+        _write(json_path, result)
+    return result
+
+
+def summary(result: dict) -> list[dict]:
+    """Per cell: every scheduler's step at the cluster's scale, its speedup
+    over FIFO, and Prophet's ratios to tf-mwms, to the better of P3 and
+    ByteScheduler, and to the ideal bound (None where a run is missing)."""
+    rows = []
+    for c in result["cells"]:
+        step = {r["scheduler"]: r["step_time_s"] for r in c["results"]}
+        k = c["config"].get("time_scale", 1.0)
+        prophet = step.get("prophet")
+        rival = min((step[s] for s in ("p3", "bytescheduler") if s in step), default=None)
+
+        def ratio(x, y):
+            return x / y if x is not None and y is not None else None
+        rows.append({**c["cell"], "cluster_step_s": {s: t / k for s, t in step.items()},
+                     "speedup_vs_fifo": {s: ratio(step.get("fifo"), t) for s, t in step.items()},
+                     "prophet_vs_tf_mwms": ratio(prophet, step.get("tf-mwms")),
+                     "prophet_vs_rival": ratio(prophet, rival),
+                     "prophet_vs_ideal": ratio(prophet, c["config"]["ideal"]["ideal_s"])})
+    return rows

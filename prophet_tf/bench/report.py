@@ -10,9 +10,10 @@ A table is marked in the Markdown by the JSON it comes from::
     <!-- end table -->
 
 Kinds: ``bench`` (a ``prophet-tf bench --json`` result: median step time,
-range, throughput, ratios to FIFO, tf-mwms and the ideal bound) and
-``validate`` (a ``prophet-tf simulate --validate --json`` result: measured
-against predicted). Paths are relative to the Markdown file. The tests run
+range, throughput, ratios to FIFO, tf-mwms and the ideal bound), ``suite``
+(a ``prophet-tf bench --suite`` result: one row per cell, each scheduler's
+speedup over FIFO and Prophet's ratios) and ``validate`` (a ``prophet-tf
+simulate --validate --json`` result: measured against predicted). Paths are relative to the Markdown file. The tests run
 ``--check`` on the README, so a table can never drift from its data.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import re
 import sys
 
-__all__ = ["bench_table", "validate_table", "render", "main"]
+__all__ = ["bench_table", "suite_table", "validate_table", "render", "main"]
 
 _BLOCK = re.compile(r"(<!-- table: (\w+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
@@ -61,16 +62,51 @@ def bench_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def suite_table(result: dict) -> str:
+    """Markdown lines for a bench suite: per cell, FIFO's step at the cluster's
+    scale, every other scheduler's speedup over FIFO, and Prophet's ratios."""
+    from prophet_tf.bench import suite as suite_lib
+
+    rows = suite_lib.summary(result)
+    names = [n for n in result["suite"]["schedulers"].split(",") if n != "fifo"]
+
+    def f(x):
+        return "–" if x is None else f"{x:.2f}"
+    lines = ["| model | workers | Gbit/s | FIFO step | "
+             + " | ".join(f"{n} vs FIFO" for n in names)
+             + " | Prophet / tf-mwms | Prophet / best of P3, BS | Prophet / ideal |",
+             "|---|---|---|---|" + "---|" * (len(names) + 3)]
+    for r in rows:
+        fifo = r["cluster_step_s"].get("fifo")
+        lines.append(f"| {r['model']} | {r['workers']} | {r['bandwidth_mbit'] / 1e3:g} | "
+                     f"{'–' if fifo is None else _ms(fifo) + ' ms'} | "
+                     + " | ".join(f"{f(r['speedup_vs_fifo'].get(n))}×" for n in names)
+                     + f" | {f(r['prophet_vs_tf_mwms'])} | {f(r['prophet_vs_rival'])} | "
+                       f"{f(r['prophet_vs_ideal'])} |")
+    d = result["suite"]
+    lines.append("")
+    lines.append(f"{len(rows)} of {len(suite_lib.cells(suite_lib.Suite.from_json(d)))} "
+                 f"cells{'' if result.get('complete') else ' (incomplete)'}; "
+                 f"{d['steps']} steps per run ({d['reps']} run per scheduler and cell), step "
+                 f"times at the cluster's scale (measured / time scale).")
+    return "\n".join(lines) + "\n"
+
+
 def validate_table(result: dict) -> str:
     """Markdown lines for a ``simulate --validate`` result."""
-    lines = ["| scheduler | measured | predicted | error |", "|---|---|---|---|"]
+    cells = "model" in (result["validation"] or [{}])[0]  # of a bench suite
+    lines = ["| " + ("model | workers | Gbit/s | " if cells else "")
+             + "scheduler | measured | predicted | error |",
+             "|---|---|---|---|" + ("---|---|---|" if cells else "")]
     for r in result["validation"]:
-        lines.append(f"| {r['scheduler']} | {_ms(r['measured_s'])} ms | "
+        where = (f"{r['model']} | {r['workers']} | {r['bandwidth_mbit'] / 1e3:g} | "
+                 if cells else "")
+        lines.append(f"| {where}{r['scheduler']} | {_ms(r['measured_s'])} ms | "
                      f"{_ms(r['predicted_s'])} ms | {r['error']:+.1%} |")
     return "\n".join(lines) + "\n"
 
 
-_KINDS = {"bench": bench_table, "validate": validate_table}
+_KINDS = {"bench": bench_table, "suite": suite_table, "validate": validate_table}
 
 
 def render(markdown: str, base: str) -> str:

@@ -43,6 +43,12 @@ process' CPU busy fraction (CPU time over wall time); the bench warns when
 the processes together keep the machine's cores busy, since then the
 machine, not the emulated network, sets the step time.
 
+Every prophet_tf run records its workers' timelines (kept with
+``--timeline-dir``, else in a temporary directory) and the JSON carries what a
+message cost at its ends in that run (``message_costs``: per message and per
+byte, measured from the pushes to the PS on the worker's own host), which
+``prophet-tf simulate --validate`` uses.
+
 Without network namespaces (not root, no iproute2), the workers' transport
 shapes itself (``PROPHET_TF_SHAPE_MBIT``, a token bucket per PS connection
 and direction, see ``prophet_tf.bench.shaping``) on loopback: the output says
@@ -63,7 +69,7 @@ import time
 
 from prophet_tf import cluster as cluster_lib
 from prophet_tf.bench import ideal as ideal_lib
-from prophet_tf.bench import models, netns, suite as suite_lib
+from prophet_tf.bench import message_costs, models, netns, suite as suite_lib
 from prophet_tf.bench import worker as worker_lib
 from prophet_tf.engine import schedulers as schedulers_lib
 
@@ -161,6 +167,7 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
               options: dict | None = None) -> dict:
     """One training run (``options``: the scheduler's); returns the workers' reports."""
     tag = f"{scheduler}-{time.monotonic_ns()}"
+    timelines = os.path.join(args.timeline_dir or workdir, tag)
     logs, procs = [], []
     try:
         ps_addresses = []
@@ -205,8 +212,9 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
                 extra["PROPHET_TF_SCHEDULER"] = scheduler.partition(":")[0] + (
                     ":" + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
                 extra.update(shape_env)
-                if args.timeline_dir:
-                    extra["PROPHET_TF_TIMELINE"] = os.path.join(args.timeline_dir, tag)
+                # Kept where asked, else in the work directory: the run's
+                # message costs are measured from them (message_costs.py).
+                extra["PROPHET_TF_TIMELINE"] = timelines
             argv = [sys.executable, "-m", "prophet_tf.bench.worker", "--framework", framework,
                     "--model", args.model, "--steps", str(args.steps), "--global-batch",
                     str(args.global_batch), "--out", out]
@@ -244,7 +252,9 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             busy = {f"ps{i}": _busy_between(ps_cpu, i, begin, end)
                     for i in range(len(ps_addresses))}
         busy.update({f"worker{j}": r.get("cpu_busy") for j, r in enumerate(reports)})
-        return {"reports": reports, "cpu_busy": busy}
+        costs = (message_costs.measure(timelines, args.workers, cluster.num_ps, args.layout,
+                                       WARMUP_STEPS) if framework == "prophet" else None)
+        return {"reports": reports, "cpu_busy": busy, "message_costs": costs}
     finally:
         _stop(procs)
         for log in logs:
@@ -339,7 +349,8 @@ def run_bench(args, out=sys.stdout) -> dict:
                             if name == "compute" else
                             _run_step_time(result["reports"], WARMUP_STEPS))
                     runs[name].append({"step_time_s": step, "reports": result["reports"],
-                                       "cpu_busy": result["cpu_busy"]})
+                                       "cpu_busy": result["cpu_busy"],
+                                       "message_costs": result["message_costs"]})
                     busy = [b for b in result["cpu_busy"].values() if b is not None]
                     print(f"rep {rep + 1}/{args.reps} {name:>13}: step {step * 1e3:8.1f} ms "
                           f"(run {time.monotonic() - t0:.0f} s, CPU busy {sum(busy):.2f} of "
@@ -393,6 +404,8 @@ def run_bench(args, out=sys.stdout) -> dict:
                                      for p in busy[0] if any(b.get(p) is not None
                                                              for b in busy)},
                         "samples_per_s": args.global_batch / step,
+                        "message_costs": message_costs.combine(
+                            [r["message_costs"] for r in runs[name]]),
                         "ideal_step_time_s": bound["ideal_s"],
                         "per_step_s": [[statistics.fmean(s) for s in zip(
                             *[w["step_times_s"] for w in r["reports"]])] for r in runs[name]]})

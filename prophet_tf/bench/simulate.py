@@ -176,7 +176,8 @@ class _Worker:
 
     def __init__(self, sim: _Sim, profile: dict, dispatch: Dispatch, num_ps: int,
                  iterations: int, compute_scale: float, latency_s: float, rpc_overhead_s: float,
-                 network: "_Network", servers: _Servers, index: int = 0):
+                 network: "_Network", servers: _Servers, index: int = 0,
+                 rpc_per_byte_s: float = 0.0):
         self.sim, self.dispatch, self.servers = sim, dispatch, servers
         self.push_links = lambda ps: network.push_links(index, ps)
         self.pull_links = lambda ps: network.pull_links(index, ps)
@@ -186,7 +187,7 @@ class _Worker:
         # Forward time no variable's layer accounts for (inputs, loss): at its end.
         self.forward_tail = max(0.0, profile["forward_s"] * compute_scale - sum(self.fwd))
         self.num_ps, self.iterations = num_ps, iterations
-        self.latency, self.overhead = latency_s, rpc_overhead_s
+        self.latency, self.overhead, self.per_byte = latency_s, rpc_overhead_s, rpc_per_byte_s
         self.parts_of = dispatch.partitions_of
         self.owned = [dispatch.pull_order(i) for i in range(num_ps)]
         self.pull_queue: list[list[int]] = [[] for _ in range(num_ps)]  # versions asked for
@@ -255,7 +256,7 @@ class _Worker:
         nbytes = sum(item.nbytes for item in block)
         self.pushed_bytes += nbytes
         self.dispatch.release(block)  # serialized at the start, as in the engine
-        self.sim.at(start + self.overhead, lambda: self.sim.start_flow(
+        self.sim.at(start + self._cost(nbytes), lambda: self.sim.start_flow(
             nbytes, self.push_links(ps),
             lambda: self._arrived_at_ps(block, start, ps)))
 
@@ -300,8 +301,12 @@ class _Worker:
         def delivered(p=p):
             self.sim.at(self.sim.now + self.latency, lambda: self._deliver(p, version))
             self._pull(ps, version, left)
-        self.sim.at(self.sim.now + self.overhead, lambda: self.sim.start_flow(
+        self.sim.at(self.sim.now + self._cost(p.nbytes), lambda: self.sim.start_flow(
             p.nbytes, self.pull_links(ps), delivered))
+
+    def _cost(self, nbytes: int) -> float:
+        """A message's time at the ends, besides the link: per message and per byte."""
+        return self.overhead + nbytes * self.per_byte
 
     def _deliver(self, p, version: int) -> None:
         self.arrived[p.key, version] = self.arrived.get((p.key, version), 0) + 1
@@ -360,7 +365,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
              bandwidth_mbit: float | None, *, latency_ms: float = 0.0,
              iterations: int | None = None, warmup: int = WARMUP_ITERATIONS,
              compute_s: float | None = None, rpc_overhead_s: float = DEFAULT_RPC_OVERHEAD_S,
-             scheduler_options: dict | None = None, layout: str = "dedicated",
+             rpc_per_byte_s: float = 0.0, scheduler_options: dict | None = None, layout: str = "dedicated",
              framing: float = ideal_lib.TCP_FRAMING) -> dict:
     """Simulates training with one scheduler; returns step times and the ideal bound.
 
@@ -375,6 +380,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
       warmup: first iterations left out of the median.
       compute_s: scale the profile's compute to this compute time per iteration.
       rpc_overhead_s: fixed time per message.
+      rpc_per_byte_s: time per message byte at the ends (serialising, copying,
+        parsing), before the bytes flow.
       scheduler_options: the scheduler's options.
       layout: "dedicated" (PS tasks on hosts of their own) or "colocated" (PS p
         on worker host p % W; ``num_ps`` a multiple of ``workers``).
@@ -415,7 +422,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
         s = schedulers_lib.make_scheduler(scheduler, **(scheduler_options or {}))
         dispatch = Dispatch([spec.key for spec in specs], specs, num_ps, s)
         simulated.append(_Worker(sim, profile, dispatch, num_ps, iterations, scale,
-                                 latency_ms / 1e3, rpc_overhead_s, network, servers, index))
+                                 latency_ms / 1e3, rpc_overhead_s, network, servers, index,
+                                 rpc_per_byte_s))
         sim.at(0.0, simulated[-1].start)
     worker = simulated[0]
     sim.run(until=lambda: all(len(w.starts) > iterations for w in simulated))

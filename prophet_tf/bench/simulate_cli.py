@@ -7,12 +7,14 @@ profile (``--profile``). The simulation itself is prophet_tf.bench.simulate.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
+import os
 import sys
 from typing import Sequence
 
-from prophet_tf.bench import simulate as simulate_lib
+from prophet_tf.bench import message_costs, simulate as simulate_lib, suite as suite_lib
 from prophet_tf.engine import schedulers as schedulers_lib
 
 __all__ = ["sweep", "plot_sweep", "validate", "main"]
@@ -85,13 +87,18 @@ def _parse(argv):
     parser.add_argument("--compute-s", type=float, default=None,
                         help="scale the profile to this compute time per step")
     parser.add_argument("--rpc-overhead-ms", type=float, default=simulate_lib.DEFAULT_RPC_OVERHEAD_S * 1e3,
-                        help="fixed cost per message (default %(default)s)")
+                        help="fixed cost per message (default %(default)s; --validate uses "
+                             "the costs the bench measured)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--sweep", action="store_true",
                         help="2-64 workers x 1-25 Gbit/s (one PS per 4 workers)")
     parser.add_argument("--plot", default=None, help="PNG of speedup over FIFO (with --sweep)")
     parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
-                        help="predict a `prophet-tf bench` run and compare per scheduler")
+                        help="predict a `prophet-tf bench` run (or every cell of a "
+                             "`--suite` run) and compare per scheduler")
+    parser.add_argument("--timeline-dir", default=None,
+                        help="with --validate, for a bench JSON without measured message "
+                             "costs: the run's --timeline-dir, to measure them from")
     parser.add_argument("--profile", default=None, metavar="MODEL",
                         help="measure MODEL's per-variable compute profile and save it")
     parser.add_argument("--batch", type=int, default=32, help="per-worker batch of --profile")
@@ -107,26 +114,44 @@ def _print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
                         for title, key, fmt in columns))
 
 
-def validate(bench: dict, profile: dict, rpc_overhead_s: float = simulate_lib.DEFAULT_RPC_OVERHEAD_S) -> list:
-    """Predicted vs measured step time per scheduler of a bench JSON."""
+def validate(bench: dict, profile: dict,
+             rpc_overhead_s: float = simulate_lib.DEFAULT_RPC_OVERHEAD_S,
+             timeline_dir: str | None = None) -> list:
+    """Predicted vs measured step time per scheduler of a bench JSON.
+
+    Each message costs what the run measured (its ``message_costs``; or, for
+    a JSON without them, measured now from the run's kept timelines in
+    ``timeline_dir``, its ``--timeline-dir``), else ``rpc_overhead_s``.
+    """
     config = bench["config"]
     profile = config.get("profile", profile)  # measured in the bench itself
     rows = []
     for r in bench["results"]:
         if r["scheduler"] not in schedulers_lib.SCHEDULERS:
             continue
+        costs = r.get("message_costs")
+        if costs is None and timeline_dir:
+            costs = message_costs.combine([
+                message_costs.measure(d, config["workers"], config["ps"],
+                                      config.get("layout", "dedicated"), config["warmup_steps"])
+                for d in sorted(glob.glob(os.path.join(timeline_dir, r["scheduler"] + "-*")))])
+        costs = costs or {"overhead_s": rpc_overhead_s, "per_byte_s": 0.0, "messages": 0}
         # The options the run used (ByteScheduler's are tuned per run).
         settings = config.get("scheduler_settings", {}).get(r["scheduler"], {})
         options = {k: v for k, v in settings.items()
                    if k in schedulers_lib.SCHEDULERS[r["scheduler"]].OPTIONS}
+        # A time-scaled run is simulated as it ran: its links, its scaled profile.
         pred = simulate_lib.simulate(profile, r["scheduler"], config["workers"], config["ps"],
-                        config["bandwidth_mbit"], latency_ms=config.get("latency_ms", 0.0),
-                        rpc_overhead_s=rpc_overhead_s, scheduler_options=options,
+                        config.get("link_mbit", config["bandwidth_mbit"]),
+                        latency_ms=config.get("link_latency_ms", config.get("latency_ms", 0.0)),
+                        rpc_overhead_s=costs["overhead_s"], rpc_per_byte_s=costs["per_byte_s"],
+                        scheduler_options=options,
                         layout=config.get("layout", "dedicated"),
                         framing=config.get("ideal", {}).get("framing", 1.0))
         rows.append({"scheduler": r["scheduler"], "measured_s": r["step_time_s"],
                      "predicted_s": pred["step_time_s"],
-                     "error": pred["step_time_s"] / r["step_time_s"] - 1})
+                     "error": pred["step_time_s"] / r["step_time_s"] - 1,
+                     "message_costs": costs})
     return rows
 
 
@@ -153,10 +178,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.validate:
             with open(args.validate) as f:
                 bench = json.load(f)
-            rows = validate(bench, profile, overhead)
-            _print_table(rows, [("scheduler", "scheduler", ""), ("measured s", "measured_s", ".4f"),
-                                ("predicted s", "predicted_s", ".4f"), ("error", "error", "+.1%")])
-            out = {"validation": rows, "bench_config": bench["config"]}
+            columns = [("scheduler", "scheduler", ""), ("measured s", "measured_s", ".4f"),
+                       ("predicted s", "predicted_s", ".4f"), ("error", "error", "+.1%")]
+            if isinstance(bench.get("cells"), list):  # a bench suite: every cell
+                rows = [{**{k: c["cell"][k] for k in ("model", "workers", "bandwidth_mbit")},
+                         **row} for c in bench["cells"] for row in validate(
+                             c, profile, overhead, args.timeline_dir and os.path.join(
+                                 args.timeline_dir, suite_lib.cell_directory(c["cell"])))]
+                columns = [("model", "model", ""), ("workers", "workers", "d"),
+                           ("Mbit/s", "bandwidth_mbit", ".0f")] + columns
+                out = {"validation": rows, "suite": bench["suite"]}
+            else:
+                rows = validate(bench, profile, overhead, args.timeline_dir)
+                out = {"validation": rows, "bench_config": bench["config"]}
+            _print_table(rows, columns)
         elif args.sweep:
             rows = sweep(profile, names, [2, 4, 8, 16, 32, 64],
                          [1000, 2500, 5000, 10000, 25000], iterations=args.iterations,

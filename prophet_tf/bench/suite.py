@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-__all__ = ["Suite", "SUITES", "cells", "run_suite", "summary"]
+__all__ = ["Suite", "SUITES", "cells", "cell_directory", "run_suite", "summary"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,20 @@ class Suite:
     reps: int
     per_worker_batch: int
     schedulers: str
+
+    @classmethod
+    def from_json(cls, definition: dict) -> "Suite":
+        """The suite a JSON result recorded (its lists back to tuples).
+
+        Raises:
+          ValueError: ``definition`` is not one.
+        """
+        try:
+            return cls(**{k: tuple(v) if isinstance(v, list) else v
+                          for k, v in definition.items()})
+        except TypeError as e:
+            raise ValueError(f"not a suite definition ({e}). Received: {definition!r:.200}") \
+                from None
 
 
 SUITES = {
@@ -85,9 +99,13 @@ def _argv(suite: Suite, cell: dict, timeline_dir: str | None) -> list[str]:
             "--global-batch", str(suite.per_worker_batch * cell["workers"]),
             "--schedulers", suite.schedulers, "--compute-reps", "0"]
     if timeline_dir:
-        argv += ["--timeline-dir", os.path.join(
-            timeline_dir, "{model}-w{workers}-{bandwidth_mbit:g}".format(**cell))]
+        argv += ["--timeline-dir", os.path.join(timeline_dir, cell_directory(cell))]
     return argv
+
+
+def cell_directory(cell: dict) -> str:
+    """Where a cell's timelines go under the suite's ``--timeline-dir``."""
+    return "{model}-w{workers}-{bandwidth_mbit:g}".format(**cell)
 
 
 def _previous(path: str | None, suite: Suite) -> list[dict]:
@@ -103,9 +121,13 @@ def _previous(path: str | None, suite: Suite) -> list[dict]:
             data = json.load(f)
         except ValueError as e:
             raise ValueError(f"--json {path} exists and is not JSON ({e}); move it away") from None
-    if not isinstance(data, dict) or data.get("suite") != dataclasses.asdict(suite):
-        what = data.get("suite", {}).get("name") if isinstance(data, dict) and \
-            isinstance(data.get("suite"), dict) else "not a suite result"
+    recorded = data.get("suite") if isinstance(data, dict) else None
+    try:
+        same = isinstance(recorded, dict) and Suite.from_json(recorded) == suite
+    except ValueError:
+        same = False
+    if not same:
+        what = recorded.get("name") if isinstance(recorded, dict) else "not a suite result"
         raise ValueError(f"--json {path} holds another result ({what!r}, or a different "
                          f"definition of suite {suite.name!r}); move it away or name a new "
                          f"file")

@@ -8,13 +8,16 @@ from __future__ import annotations
 import logging
 import textwrap
 
-from prophet_tf.tools.plot import (PlotError, Span, WorkerTimeline, parse_bench,
+from prophet_tf.tools.plot import (PlotError, Span, WorkerTimeline, parse_bench, parse_suite,
                                    plan_for_iteration, select_steps)
 
-__all__ = ["plot_timelines", "plot_bench"]
+__all__ = ["plot_timelines", "plot_bench", "plot_suite"]
 
 logger = logging.getLogger(__name__)
 
+#: One colour per scheduler, in every bench and suite plot.
+_PALETTE = {"fifo": "#9e9e9e", "p3": "#4c72b0", "bytescheduler": "#dd8452",
+            "prophet": "#55a868", "tf-mwms": "#8172b3"}
 #: Bench settings named first in the bench plot's title.
 _BENCH_KEYS = ("model", "workers", "ps", "bandwidth_mbit", "latency_ms", "global_batch")
 
@@ -261,9 +264,7 @@ def plot_bench(bench: dict, out: str, source: str = "<bench>") -> str:
     medians = [r["median"] * 1e3 for r in rows]
     spread = [[m - r["min"] * 1e3 for m, r in zip(medians, rows)],
               [r["max"] * 1e3 - m for m, r in zip(medians, rows)]]
-    palette = {"fifo": "#9e9e9e", "p3": "#4c72b0", "bytescheduler": "#dd8452",
-               "prophet": "#55a868"}
-    ax.bar(x, medians, color=[palette.get(r["scheduler"], "#8172b3") for r in rows],
+    ax.bar(x, medians, color=[_PALETTE.get(r["scheduler"], "#8172b3") for r in rows],
            edgecolor="black", linewidth=0.5, label="median step time")
     ax.errorbar(x, medians, yerr=spread, fmt="none", ecolor="black", capsize=5,
                 linewidth=1, label="min to max of the measurements")
@@ -304,6 +305,57 @@ def plot_bench(bench: dict, out: str, source: str = "<bench>") -> str:
               frameon=False)
     ax.grid(axis="y", color="0.9")
     ax.set_axisbelow(True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    logger.info("wrote %s", out)
+    return out
+
+
+def plot_suite(suite: dict, out: str, source: str = "<suite>") -> str:
+    """Speedup over FIFO per scheduler, grouped by model and bandwidth, one
+    panel per worker count (``prophet-tf bench --suite``).
+
+    Raises:
+      PlotError: the suite cannot be read.
+      RuntimeError: matplotlib is missing.
+    """
+    rows = parse_suite(suite, source)
+    names = [n for n in dict.fromkeys(n for r in rows for n in r["speedup_vs_fifo"])
+             if n != "fifo"]
+    workers = sorted({r["workers"] for r in rows})
+    plt = _pyplot()
+    groups = max(len([r for r in rows if r["workers"] == w]) for w in workers)
+    width = max(6.0, 0.3 * groups * (len(names) + 1) + 2.0)
+    fig, axes = plt.subplots(len(workers), 1, figsize=(width, 3.2 * len(workers) + 1.0),
+                             squeeze=False)
+    bar = 0.8 / max(1, len(names))
+    for ax, w in zip(axes[:, 0], workers):
+        cells = [r for r in rows if r["workers"] == w]
+        for i, name in enumerate(names):
+            xs = [g + (i - (len(names) - 1) / 2) * bar for g in range(len(cells))]
+            ys = [r["speedup_vs_fifo"].get(name) for r in cells]
+            shown = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            ax.bar([x for x, _ in shown], [y for _, y in shown], bar, label=name,
+                   color=_PALETTE.get(name, "#8c8c8c"), edgecolor="black", linewidth=0.4)
+            for x, y in shown:
+                ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=6, rotation=90)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        top = max((y for r in cells for y in r["speedup_vs_fifo"].values() if y), default=1)
+        ax.set_ylim(0, top * 1.2)
+        ax.set_xticks(range(len(cells)))
+        ax.set_xticklabels([f"{r['model']}\n{r['bandwidth_mbit'] / 1e3:g} Gbit/s" for r in cells],
+                           fontsize=8)
+        ax.set_ylabel("speedup over FIFO")
+        ax.set_title(f"{w} workers, {w} PS (one per worker host)", fontsize=9)
+        ax.grid(axis="y", color="0.9")
+        ax.set_axisbelow(True)
+    definition = suite.get("suite", {})
+    axes[0, 0].legend(fontsize=8, ncol=len(names), loc="lower center",
+                      bbox_to_anchor=(0.5, 1.12), frameon=False)
+    fig.suptitle(f"prophet-tf bench --suite {definition.get('name', '?')}: emulated "
+                 f"GPU compute, {definition.get('steps', '?')} steps per run"
+                 + ("" if suite.get("complete") else " (incomplete)"), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -1,12 +1,15 @@
-"""`prophet-tf plot`: a Gantt chart of timelines, or bars of a bench result.
+"""`prophet-tf plot`: a Gantt chart of timelines, or bars of a bench result or suite.
 
     prophet-tf plot out/worker-0.json out/worker-1.json -o schedule.png [--steps A:B] [--worker I]
     prophet-tf plot out/ -o schedule.png           # every worker-<i>.json in out/
     prophet-tf plot bench.json -o bench.png
+    prophet-tf plot suite.json -o suite.png
 
 The kind of file is told by its content: a Chrome-trace timeline (see
-prophet_tf.engine.timeline; ``{"traceEvents": [...]}``) or a bench result
-(``{"config": {...}, "results": [{"scheduler": ..., "step_time_s": ...}, ...]}``).
+prophet_tf.engine.timeline; ``{"traceEvents": [...]}``), a bench result
+(``{"config": {...}, "results": [{"scheduler": ..., "step_time_s": ...}, ...]}``)
+or a bench suite (``prophet-tf bench --suite``; ``{"suite": {...}, "cells":
+[...]}``).
 
 Timelines: one panel per worker, with the steps A..B-1 (default: the last
 three steps before the final one), time in ms from the first shown step's
@@ -30,6 +33,10 @@ order; so a variable's priority is its rank among the trained variables' keys.
 
 Bench results: one bar per scheduler, the median step time, with the spread
 of the measured steps (min to max) and the ideal bound as a line.
+
+Bench suites (as the paper draws its results): one panel per worker count,
+one group of bars per model and bandwidth, each bar a scheduler's speedup over
+FIFO in that cell (FIFO's step time over the scheduler's).
 
 Needs matplotlib (``pip install prophet_tf[plot]``), imported only by the drawing
 (prophet_tf.tools.drawing), when one is made.
@@ -96,7 +103,7 @@ def load(path: str) -> tuple[str, dict]:
     """Reads a file and tells its kind.
 
     Returns:
-      ("timeline", trace) or ("bench", bench).
+      ("timeline", trace), ("bench", bench) or ("suite", suite).
 
     Raises:
       PlotError: unreadable, not JSON, or neither kind.
@@ -113,10 +120,14 @@ def load(path: str) -> tuple[str, dict]:
         return "timeline", data
     if isinstance(data, dict) and isinstance(data.get("results"), list):
         return "bench", data
+    if isinstance(data, dict) and isinstance(data.get("cells"), list) and \
+            isinstance(data.get("suite"), dict):
+        return "suite", data
     what = (f"top-level keys {sorted(data)[:10]}" if isinstance(data, dict)
             else f"a JSON {type(data).__name__}")
-    raise PlotError(f"{path} is neither a prophet_tf timeline (a dict with \"traceEvents\") nor "
-                    f"a bench result (a dict with \"results\"). Received: {what}")
+    raise PlotError(f"{path} is neither a prophet_tf timeline (a dict with \"traceEvents\"), "
+                    f"a bench result (a dict with \"results\") nor a bench suite (a dict with "
+                    f"\"suite\" and \"cells\"). Received: {what}")
 
 
 def parse_timeline(trace: dict, source: str = "<timeline>") -> WorkerTimeline:
@@ -204,6 +215,31 @@ def parse_bench(bench: dict, source: str = "<bench>") -> list[dict]:
                      "ideal": float(ideal) if isinstance(ideal, (int, float)) else None})
     if not rows:
         raise PlotError(f"{source} has no results to plot. Received: \"results\": []")
+    return rows
+
+
+def parse_suite(suite: dict, source: str = "<suite>") -> list[dict]:
+    """A bench suite's cells as rows (``prophet_tf.bench.suite.summary``).
+
+    Raises:
+      PlotError: a cell lacks its configuration or results, or no cell ran FIFO.
+    """
+    from prophet_tf.bench import suite as suite_lib
+
+    for i, c in enumerate(suite["cells"]):
+        if not (isinstance(c, dict) and isinstance(c.get("cell"), dict)
+                and isinstance(c.get("config"), dict) and isinstance(c.get("results"), list)):
+            raise PlotError(f"{source}: cell {i} needs \"cell\", \"config\" and \"results\". "
+                            f"Received: {c!r:.200}")
+        parse_bench(c, f"{source} cell {i}")
+    try:
+        rows = suite_lib.summary(suite)
+    except (KeyError, TypeError, ZeroDivisionError) as e:
+        raise PlotError(f"{source}: a cell cannot be summarised ({type(e).__name__}: {e})") \
+            from None
+    if not rows or not any(r["speedup_vs_fifo"].get("fifo") for r in rows):
+        raise PlotError(f"{source}: speedups are over FIFO, and no cell has a FIFO run. "
+                        f"Received: {len(rows)} cell(s)")
     return rows
 
 
@@ -313,6 +349,14 @@ def run(paths: list[str], out: str, steps: str | None = None, worker: int | None
         path, _, data = loaded[0]
         from prophet_tf.tools import drawing  # matplotlib: only when drawing
         return drawing.plot_bench(data, out, path)
+    if kinds == {"suite"}:
+        if len(loaded) > 1 or steps is not None or worker is not None:
+            raise PlotError("a bench suite is plotted alone, without --steps or --worker. "
+                            f"Received: {len(loaded)} file(s), --steps {steps}, "
+                            f"--worker {worker}")
+        path, _, data = loaded[0]
+        from prophet_tf.tools import drawing  # matplotlib: only when drawing
+        return drawing.plot_suite(data, out, path)
     if len(kinds) > 1:
         raise PlotError("give timelines or one bench result, not both. Received: "
                         + ", ".join(f"{path} ({kind})" for path, kind, _ in loaded))
@@ -332,10 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="prophet-tf plot", description=__doc__.split("\n\n")[0],
         usage="prophet-tf plot TIMELINE.json [more.json ...] -o OUT.png [--steps A:B] "
-              "[--worker I]\n       prophet-tf plot BENCH.json -o OUT.png")
+              "[--worker I]\n       prophet-tf plot BENCH.json -o OUT.png\n"
+              "       prophet-tf plot SUITE.json -o OUT.png")
     parser.add_argument("files", nargs="+",
-                        help="worker timelines (files or directories of worker-<i>.json), or "
-                             "one bench result JSON")
+                        help="worker timelines (files or directories of worker-<i>.json), "
+                             "one bench result JSON, or one bench suite JSON")
     parser.add_argument("-o", "--output", required=True,
                         help="image to write; the format follows the extension (png, svg, pdf)")
     parser.add_argument("--steps", default=None, metavar="A:B",

@@ -91,3 +91,27 @@ def test_bench_runs_an_emulated_paper_model(tmp_path):
                     "4", "--bandwidth-mbit", "4000", "--schedulers", "fifo,prophet,tf-mwms")
     assert result["config"]["link_mbit"] == 1000
     _check(result, 0.6, 4)
+
+
+def test_the_smoke_suite_runs_resumes_and_plots(tmp_path):
+    out = tmp_path / "suite.json"
+
+    def run_suite():
+        return subprocess.run([sys.executable, "-m", "prophet_tf", "bench", "--suite", "smoke",
+                               "--json", str(out)], check=True, timeout=280, text=True,
+                              capture_output=True,
+                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")).stdout
+    run_suite()
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["suite"]["name"] == "smoke"
+    [cell] = result["cells"]
+    assert cell["cell"]["model"] == "cnn" and cell["config"]["compute"] == "emulated"
+    _check(cell, cell["cell"]["compute_ms"] / 1e3 * cell["cell"]["time_scale"],
+           cell["cell"]["time_scale"])
+    assert [r["scheduler"] for r in cell["results"]] == ["fifo", "prophet"]
+    # Run again: the cell is kept, nothing runs, the JSON is unchanged.
+    assert "1 cell(s) kept" in run_suite() and json.loads(out.read_text())["cells"] == [cell]
+    png = tmp_path / "suite.png"
+    subprocess.run([sys.executable, "-m", "prophet_tf", "plot", str(out), "-o", str(png)],
+                   check=True, timeout=120)
+    assert png.stat().st_size > 10_000

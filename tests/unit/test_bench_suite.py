@@ -1,0 +1,101 @@
+"""`prophet-tf bench --suite`: its cells, its resumable JSON, its summary, plot and table."""
+import dataclasses
+import json
+
+import pytest
+
+from prophet_tf.bench import report, runner, suite
+from prophet_tf.tools import plot
+
+
+def test_the_paper_suite_covers_its_models_bandwidths_and_worker_counts():
+    paper = suite.SUITES["paper"]
+    cells = suite.cells(paper)
+    assert {(c["model"], c["workers"], c["bandwidth_mbit"]) for c in cells} == {
+        (m, w, b) for m in ("resnet50", "inceptionv3", "vgg16") for w in (2, 4)
+        for b in paper.bandwidths_mbit}
+    assert len(paper.bandwidths_mbit) >= 2 and set(paper.schedulers.split(",")) == set(
+        runner.ALL_SCHEDULERS)
+    for c in cells:
+        # Each link runs at the rate the machine's transport carries for its
+        # worker count, whatever the cluster's bandwidth.
+        link = c["bandwidth_mbit"] / c["time_scale"]
+        assert link == pytest.approx(paper.transport_mbit * 2 / c["workers"])
+        args = runner._parse(suite._argv(paper, c, None))  # every cell is a valid bench
+        assert args.compute == "emulated" and args.ps == c["workers"]
+        assert args.steps > runner.WARMUP_STEPS and args.compute_reps == 0
+
+
+def test_suite_options_cannot_be_overridden(capsys):
+    with pytest.raises(SystemExit):
+        runner._parse(["--suite", "paper", "--workers", "3", "--steps", "20"])
+    err = capsys.readouterr().err
+    assert "Received: --steps, --workers" in err
+    args = runner._parse(["--suite", "smoke", "--json", "x.json", "--timeline-dir", "t"])
+    assert args.suite == "smoke" and args.json == "x.json"
+
+
+def _cell_result(cell, steps: dict, ideal_s=0.1, time_scale=2.0):
+    return {"cell": cell, "config": {"time_scale": time_scale, "ideal": {"ideal_s": ideal_s}},
+            "results": [{"scheduler": s, "step_time_s": t, "step_time_s_all": [t]}
+                        for s, t in steps.items()]}
+
+
+def _result(name="paper", complete=False, **steps):
+    definition = suite.SUITES[name]
+    cells = suite.cells(definition)
+    return {"suite": dataclasses.asdict(definition), "complete": complete,
+            "cells": [_cell_result(c, steps) for c in cells[:2]]}
+
+
+def test_summary_ratios():
+    result = _result(fifo=0.4, p3=0.25, bytescheduler=0.3, prophet=0.2, **{"tf-mwms": 0.32})
+    rows = suite.summary(result)
+    r = rows[0]
+    assert r["cluster_step_s"]["fifo"] == pytest.approx(0.2)  # measured / time scale
+    assert r["speedup_vs_fifo"]["prophet"] == pytest.approx(2.0)
+    assert r["prophet_vs_tf_mwms"] == pytest.approx(0.2 / 0.32)
+    assert r["prophet_vs_rival"] == pytest.approx(0.2 / 0.25)  # the better of P3 and BS
+    assert r["prophet_vs_ideal"] == pytest.approx(2.0)
+    partial = suite.summary(_result(fifo=0.4, prophet=0.3))[0]
+    assert partial["prophet_vs_rival"] is None and partial["prophet_vs_tf_mwms"] is None
+
+
+def test_a_suite_json_resumes_only_the_same_suite(tmp_path):
+    path = tmp_path / "suite.json"
+    result = _result(fifo=0.4, prophet=0.3)
+    path.write_text(json.dumps(result))
+    kept = suite._previous(str(path), suite.SUITES["paper"])
+    assert [c["cell"] for c in kept] == [c["cell"] for c in result["cells"]]
+    assert suite._previous(str(tmp_path / "absent.json"), suite.SUITES["paper"]) == []
+    with pytest.raises(ValueError, match="holds another result \\('paper', or a different "
+                                         "definition of suite 'smoke'\\)"):
+        suite._previous(str(path), suite.SUITES["smoke"])
+    changed = dict(result, suite=dict(result["suite"], steps=99))
+    path.write_text(json.dumps(changed))
+    with pytest.raises(ValueError, match="different definition"):
+        suite._previous(str(path), suite.SUITES["paper"])
+    path.write_text("{half")
+    with pytest.raises(ValueError, match="exists and is not JSON"):
+        suite._previous(str(path), suite.SUITES["paper"])
+
+
+def test_suite_plot_and_table(tmp_path):
+    result = _result(fifo=0.4, p3=0.25, bytescheduler=0.3, prophet=0.2, **{"tf-mwms": 0.32})
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps(result))
+    out = tmp_path / "suite.png"
+    assert plot.main([str(path), "-o", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+    table = report.suite_table(result)
+    first = suite.cells(suite.SUITES["paper"])[0]
+    assert (f"| {first['model']} | {first['workers']} | {first['bandwidth_mbit'] / 1e3:g} | "
+            f"200.0 ms | 1.60× | 1.33× | 2.00× | 1.25× | 0.62 | 0.80 | 2.00 |") in table
+    assert "2 of 12 cells (incomplete)" in table
+
+
+def test_a_suite_without_fifo_is_refused(tmp_path, capsys):
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps(_result(prophet=0.2)))
+    assert plot.main([str(path), "-o", str(tmp_path / "x.png")]) == 2
+    assert "no cell has a FIFO run" in capsys.readouterr().err

@@ -28,8 +28,9 @@ in lockstep, so one is simulated and every PS link is shared W ways):
   Links have the given bandwidth in each direction; a PS link carries the W
   workers' identical flows, so each gets 1/W of it; concurrent flows share
   a link max-min fairly (a fluid model of TCP). Each message costs
-  ``rpc_overhead_s`` of fixed time before its bytes flow and a one-way
-  latency after;
+  ``rpc_overhead_s + nbytes * rpc_per_byte_s`` at its ends before its bytes
+  flow (serialising, gRPC, Python, the PS's checks and sum: a bench run
+  measures both, ``message_costs.py``) and a one-way latency after;
 - PS: a partition's version k+1 exists once its iteration-k push has arrived
   (W pushes arrive together by symmetry); the apply takes no time;
 - pulls: on the first gradient of iteration k the worker asks each PS for version

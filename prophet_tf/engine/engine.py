@@ -36,6 +36,7 @@ from prophet_tf.engine import liveness, schedulers
 from prophet_tf.engine import timeline as timeline_lib
 from prophet_tf.engine.delivery import Assembler, Expected
 from prophet_tf.engine.dispatch import Dispatch
+from prophet_tf.ps import client as client_lib
 from prophet_tf.ps.client import Chunk, PSClient, variable_specs
 
 logger = logging.getLogger(__name__)
@@ -388,33 +389,26 @@ class Engine:
         skips the step by them (``prophet_tf.ps.verdicts``). Like a parameter
         wait, a long wait is renewed with a warning; a failed job raises.
         """
-        results: list = [None] * len(self._clients)
+        def ask(i: int):
+            return self._clients[i].verdict_future(step, finite, timeout=self.rpc_timeout_s)
 
-        def ask(i: int) -> None:
-            while True:
+        pending = {i: ask(i) for i in range(len(self._clients))}  # all in flight at once
+        results = {}
+        while pending:
+            for i, future in list(pending.items()):
                 try:
-                    results[i] = self._clients[i].verdict(step, finite, timeout=self.rpc_timeout_s)
-                    return
+                    results[i] = client_lib.verdicts(future.result())
+                    del pending[i]
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self._stop.is_set():
-                        results[i] = RuntimeError(
+                        raise RuntimeError(
                             f"The verdict of step {step} (loss scaling) from the PS at "
-                            f"{self._clients[i].address} failed: {liveness.rpc_message(e)}")
-                        return
+                            f"{self._clients[i].address} failed: {liveness.rpc_message(e)}") \
+                            from None
                     logger.warning("worker %d: still waiting after %.0f s for the other "
                                    "workers' verdicts of step %d", self.worker_id,
                                    self.rpc_timeout_s, step)
-
-        threads = [threading.Thread(target=ask, args=(i,), daemon=True,
-                                    name=f"prophet-tf-verdict-{i}") for i in range(1, len(results))]
-        for thread in threads:
-            thread.start()
-        ask(0)
-        for thread in threads:
-            thread.join()
-        for result in results:
-            if isinstance(result, Exception):
-                raise result
+                    pending[i] = ask(i)  # the PS keeps a repeated verdict once
         # Every PS task answers the same verdicts; any one decides.
         return all(results[0])
 

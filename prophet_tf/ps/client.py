@@ -236,11 +236,12 @@ class PSClient:
         request = ps_pb2.GatherRequest(worker_id=self.worker_id, round=round_id, payload=payload)
         return list(self._gather(request, timeout=timeout).payloads)
 
-    def verdict(self, step: int, finite: bool, timeout: float | None = None) -> list[bool]:
-        """Sends this worker's verdict of ``step`` (a loss-scaled model); every worker's."""
+    def verdict_future(self, step: int, finite: bool, timeout: float | None = None):
+        """Sends this worker's verdict of ``step`` (a loss-scaled model); the
+        future's result is every worker's (:func:`verdicts`)."""
         request = ps_pb2.GatherRequest(worker_id=self.worker_id, round=step,
                                        payload=b"\x01" if finite else b"\x00")
-        return [p == b"\x01" for p in self._verdict(request, timeout=timeout).payloads]
+        return self._verdict.future(request, timeout=timeout)
 
     def read_optimizer_state(self, min_version: int, timeout: float | None = None) -> list:
         """The optimizer's slots (``OptimizerSlot``) of this PS's partitions at ``min_version``."""
@@ -259,6 +260,11 @@ class PSClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def verdicts(response) -> list[bool]:
+    """Every worker's verdict in a Verdict answer, in worker order (True: finite)."""
+    return [p == b"\x01" for p in response.payloads]
 
 
 def _key_partition(item):

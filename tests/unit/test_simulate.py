@@ -235,3 +235,17 @@ def test_bytescheduler_tuning_searches_the_grid_and_keeps_the_best():
     # readiness order: the tuned setting is faster.
     default = simulate.simulate(TOY, "bytescheduler", 4, 1, 200)["step_time_s"]
     assert row["predicted_step_time_s"] < default
+
+
+@pytest.mark.timeout(60)
+def test_per_message_and_per_byte_costs_are_paid_by_every_message():
+    # One variable, one partition, unlimited links: a push and a pull, each
+    # paying overhead + bytes x per_byte, in series after the compute.
+    nbytes = 400_000
+    profile = _profile([nbytes], [0.0], [0.0])
+    r = simulate.simulate(profile, "fifo", workers=1, num_ps=1, bandwidth_mbit=None,
+                          rpc_overhead_s=0.002, rpc_per_byte_s=1e-8)
+    assert r["step_time_s"] == pytest.approx(2 * (0.002 + nbytes * 1e-8))
+    free = simulate.simulate(profile, "fifo", workers=1, num_ps=1, bandwidth_mbit=None,
+                             rpc_overhead_s=0.002)
+    assert free["step_time_s"] == pytest.approx(2 * 0.002)

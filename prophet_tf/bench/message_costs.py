@@ -5,10 +5,12 @@ no link is crossed, all cost at the ends: serialising, copying, gRPC and
 Python on both sides, the PS's checks and sum, and waiting for the CPU that
 the run's other processes share. In the colocated layout every worker pushes
 to the PS task on its own host, so each run measures these costs under its
-own load. A least-squares line over those pushes (after the warm-up steps)
-gives a cost per message and a cost per byte, which ``prophet-tf simulate``
-adds to each message before its bytes cross a link (``rpc_overhead_s`` and
-``rpc_per_byte_s`` of ``simulate.simulate``).
+own load. A push's time also holds its wait behind the other messages in
+flight, which the simulator models itself; so the pushes are grouped by size
+(powers of two), each group gives its lower-quartile push, and a least-squares
+line through those gives a cost per message and a cost per byte, which
+``prophet-tf simulate`` adds to each message before its bytes cross a link
+(``rpc_overhead_s`` and ``rpc_per_byte_s`` of ``simulate.simulate``).
 
 The dedicated layout has no push that crosses no link, so its runs measure
 nothing here; the simulator then uses its default per-message cost.
@@ -20,10 +22,13 @@ import json
 import os
 import statistics
 
-__all__ = ["measure", "combine", "MIN_MESSAGES"]
+__all__ = ["measure", "combine", "MIN_MESSAGES", "QUANTILE"]
 
 #: Fewer local pushes than this measure nothing.
 MIN_MESSAGES = 20
+#: Each size group's push at this quantile of time: one that hardly waited.
+QUANTILE = 0.25
+_MIN_GROUP = 3
 _PUSH_TRACK = 100  # prophet_tf.engine.timeline: push to PS i is track 100 + i
 
 
@@ -52,12 +57,24 @@ def measure(directory: str, workers: int, num_ps: int, layout: str,
                 times.append(e["dur"] / 1e6)
     if len(sizes) < MIN_MESSAGES:
         return None
-    overhead, per_byte = _line(sizes, times)
+    groups: dict[int, list[tuple[float, float]]] = {}
+    for size, seconds in zip(sizes, times):
+        groups.setdefault(int(size).bit_length(), []).append((seconds, size))
+    chosen = []
+    for pushes in groups.values():
+        if len(pushes) >= _MIN_GROUP:
+            pushes.sort()
+            chosen.append(pushes[int(QUANTILE * (len(pushes) - 1))])
+    if not chosen:
+        return None
+    overhead, per_byte = _line([size for _, size in chosen], [t for t, _ in chosen])
     return {"overhead_s": overhead, "per_byte_s": per_byte, "messages": len(sizes)}
 
 
 def _line(x: list[float], y: list[float]) -> tuple[float, float]:
     """Least-squares y = a + b x with a, b >= 0."""
+    if len(x) < 2:
+        return max(0.0, y[0]), 0.0
     mx, my = statistics.fmean(x), statistics.fmean(y)
     sxx = sum((v - mx) ** 2 for v in x)
     b = sum((u - mx) * (v - my) for u, v in zip(x, y)) / sxx if sxx > 0 else 0.0

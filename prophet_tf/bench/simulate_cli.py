@@ -97,8 +97,8 @@ def _parse(argv):
                         help="predict a `prophet-tf bench` run (or every cell of a "
                              "`--suite` run) and compare per scheduler")
     parser.add_argument("--timeline-dir", default=None,
-                        help="with --validate, for a bench JSON without measured message "
-                             "costs: the run's --timeline-dir, to measure them from")
+                        help="with --validate: the run's --timeline-dir, to measure the "
+                             "message costs from (default: those in the bench JSON)")
     parser.add_argument("--profile", default=None, metavar="MODEL",
                         help="measure MODEL's per-variable compute profile and save it")
     parser.add_argument("--batch", type=int, default=32, help="per-worker batch of --profile")
@@ -119,9 +119,9 @@ def validate(bench: dict, profile: dict,
              timeline_dir: str | None = None) -> list:
     """Predicted vs measured step time per scheduler of a bench JSON.
 
-    Each message costs what the run measured (its ``message_costs``; or, for
-    a JSON without them, measured now from the run's kept timelines in
-    ``timeline_dir``, its ``--timeline-dir``), else ``rpc_overhead_s``.
+    Each message costs what the run measured: from its timelines when
+    ``timeline_dir`` (the run's ``--timeline-dir``) is given, else its JSON's
+    ``message_costs``; without either, ``rpc_overhead_s``.
     """
     config = bench["config"]
     profile = config.get("profile", profile)  # measured in the bench itself
@@ -130,7 +130,7 @@ def validate(bench: dict, profile: dict,
         if r["scheduler"] not in schedulers_lib.SCHEDULERS:
             continue
         costs = r.get("message_costs")
-        if costs is None and timeline_dir:
+        if timeline_dir:
             costs = message_costs.combine([
                 message_costs.measure(d, config["workers"], config["ps"],
                                       config.get("layout", "dedicated"), config["warmup_steps"])

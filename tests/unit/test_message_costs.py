@@ -25,8 +25,9 @@ def test_a_line_through_the_local_pushes(tmp_path):
             for ps in range(4):
                 nbytes = 10_000 * (1 + step) * (1 + ps)
                 local = overhead + nbytes * per_byte
-                # Warm-up steps and remote pushes (3x slower) must not count.
-                seconds = local * (3 if ps % 2 != worker or step < 8 else 1)
+                # Neither warm-up steps (3x slower) nor remote pushes (half
+                # the time: they would be taken for the ones that did not wait).
+                seconds = local * (3 if step < 8 else 1) * (0.5 if ps % 2 != worker else 1)
                 transfers.append(_push(ps, nbytes, step, seconds))
         _write(tmp_path, worker, transfers)
     got = message_costs.measure(str(tmp_path), workers=2, num_ps=4, layout="colocated",
@@ -38,11 +39,22 @@ def test_a_line_through_the_local_pushes(tmp_path):
     assert message_costs.measure(str(tmp_path), 2, 4, "colocated", 11) is None  # too few
 
 
-def test_costs_never_go_negative_and_combine_by_median(tmp_path):
-    # Time falling with size: no per-byte cost, the median as the overhead.
-    _write(tmp_path, 0, [_push(0, 1000 * (30 - i), 9, 0.001 * (1 + i % 3)) for i in range(30)])
+def test_pushes_that_waited_do_not_count_as_cost(tmp_path):
+    # 2 ms whatever the size, but every third push waited 10 ms behind
+    # another message: the cost stays 2 ms per message, nothing per byte.
+    pushes = [_push(0, 1000 * (1 + i), 9, 0.002 + (0.010 if i % 3 == 0 else 0.0))
+              for i in range(60)]
+    _write(tmp_path, 0, pushes)
     got = message_costs.measure(str(tmp_path), 1, 1, "colocated", 8)
-    assert got["per_byte_s"] >= 0 and got["overhead_s"] == pytest.approx(0.002)
+    assert got["overhead_s"] == pytest.approx(0.002) and got["per_byte_s"] == 0.0
+
+
+def test_costs_never_go_negative_and_combine_by_median(tmp_path):
+    # Time falling with size: no per-byte cost.
+    _write(tmp_path, 0, [_push(0, 1000 * 2 ** (i % 6), 9, 0.001 * (6 - i % 6))
+                         for i in range(30)])
+    got = message_costs.measure(str(tmp_path), 1, 1, "colocated", 8)
+    assert got["per_byte_s"] == 0.0 and got["overhead_s"] > 0
     both = message_costs.combine([{"overhead_s": 1, "per_byte_s": 3, "messages": 5}, None,
                                   {"overhead_s": 2, "per_byte_s": 1, "messages": 7},
                                   {"overhead_s": 9, "per_byte_s": 2, "messages": 1}])

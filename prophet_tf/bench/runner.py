@@ -168,6 +168,7 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
     """One training run (``options``: the scheduler's); returns the workers' reports."""
     tag = f"{scheduler}-{time.monotonic_ns()}"
     timelines = os.path.join(args.timeline_dir or workdir, tag)
+    launched = time.monotonic()
     logs, procs = [], []
     try:
         ps_addresses = []
@@ -254,7 +255,12 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
         busy.update({f"worker{j}": r.get("cpu_busy") for j, r in enumerate(reports)})
         costs = (message_costs.measure(timelines, args.workers, cluster.num_ps, args.layout,
                                        WARMUP_STEPS) if framework == "prophet" else None)
-        return {"reports": reports, "cpu_busy": busy, "message_costs": costs}
+        # Process start, imports, model and engine set-up, up to the first
+        # batch of the last worker to get there (monotonic clocks are system-wide).
+        starts = [r["train_window"][0] for r in reports if "train_window" in r]
+        startup = max(starts) - launched if starts else None
+        return {"reports": reports, "cpu_busy": busy, "message_costs": costs,
+                "startup_s": startup}
     finally:
         _stop(procs)
         for log in logs:
@@ -350,10 +356,14 @@ def run_bench(args, out=sys.stdout) -> dict:
                             _run_step_time(result["reports"], WARMUP_STEPS))
                     runs[name].append({"step_time_s": step, "reports": result["reports"],
                                        "cpu_busy": result["cpu_busy"],
-                                       "message_costs": result["message_costs"]})
+                                       "message_costs": result["message_costs"],
+                                       "startup_s": result["startup_s"]})
                     busy = [b for b in result["cpu_busy"].values() if b is not None]
                     print(f"rep {rep + 1}/{args.reps} {name:>13}: step {step * 1e3:8.1f} ms "
-                          f"(run {time.monotonic() - t0:.0f} s, CPU busy {sum(busy):.2f} of "
+                          f"(run {time.monotonic() - t0:.0f} s"
+                          + (f", {result['startup_s']:.0f} s to the first batch"
+                             if result["startup_s"] is not None else "")
+                          + f", CPU busy {sum(busy):.2f} of "
                           f"{os.cpu_count()} cores, most {max(busy, default=0):.2f})",
                           file=out, flush=True)
                     if sum(busy) > BUSY_WARNING * (os.cpu_count() or 1):
@@ -406,6 +416,9 @@ def run_bench(args, out=sys.stdout) -> dict:
                         "samples_per_s": args.global_batch / step,
                         "message_costs": message_costs.combine(
                             [r["message_costs"] for r in runs[name]]),
+                        "startup_s": statistics.median(r["startup_s"] for r in runs[name]
+                                                       if r["startup_s"] is not None)
+                        if any(r["startup_s"] is not None for r in runs[name]) else None,
                         "ideal_step_time_s": bound["ideal_s"],
                         "per_step_s": [[statistics.fmean(s) for s in zip(
                             *[w["step_times_s"] for w in r["reports"]])] for r in runs[name]]})

@@ -275,6 +275,12 @@ def _busy_between(samples: list[tuple], i: int, begin: float, end: float) -> flo
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
+def _median_or_none(values) -> float | None:
+    """The median of the values that are not None; None if there is none."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def _run_step_time(reports: list[dict], warmup: int) -> float:
     per_step = list(zip(*[r["step_times_s"] for r in reports]))
     measured = [statistics.fmean(s) for s in per_step[warmup:]]
@@ -416,9 +422,7 @@ def run_bench(args, out=sys.stdout) -> dict:
                         "samples_per_s": args.global_batch / step,
                         "message_costs": message_costs.combine(
                             [r["message_costs"] for r in runs[name]]),
-                        "startup_s": statistics.median(r["startup_s"] for r in runs[name]
-                                                       if r["startup_s"] is not None)
-                        if any(r["startup_s"] is not None for r in runs[name]) else None,
+                        "startup_s": _median_or_none(r["startup_s"] for r in runs[name]),
                         "ideal_step_time_s": bound["ideal_s"],
                         "per_step_s": [[statistics.fmean(s) for s in zip(
                             *[w["step_times_s"] for w in r["reports"]])] for r in runs[name]]})

@@ -341,22 +341,16 @@ def run(paths: list[str], out: str, steps: str | None = None, worker: int | None
         raise PlotError(f"the directory of the output does not exist. Received: -o {out}")
     loaded = [(path, *load(path)) for path in _expand(paths)]
     kinds = {kind for _, kind, _ in loaded}
-    if kinds == {"bench"}:
+    whole = {"bench": ("a bench result", "plot_bench"), "suite": ("a bench suite", "plot_suite")}
+    if len(kinds) == 1 and next(iter(kinds)) in whole:
+        what, draw = whole[next(iter(kinds))]
         if len(loaded) > 1 or steps is not None or worker is not None:
-            raise PlotError("a bench result is plotted alone, without --steps or --worker. "
+            raise PlotError(f"{what} is plotted alone, without --steps or --worker. "
                             f"Received: {len(loaded)} file(s), --steps {steps}, "
                             f"--worker {worker}")
         path, _, data = loaded[0]
         from prophet_tf.tools import drawing  # matplotlib: only when drawing
-        return drawing.plot_bench(data, out, path)
-    if kinds == {"suite"}:
-        if len(loaded) > 1 or steps is not None or worker is not None:
-            raise PlotError("a bench suite is plotted alone, without --steps or --worker. "
-                            f"Received: {len(loaded)} file(s), --steps {steps}, "
-                            f"--worker {worker}")
-        path, _, data = loaded[0]
-        from prophet_tf.tools import drawing  # matplotlib: only when drawing
-        return drawing.plot_suite(data, out, path)
+        return getattr(drawing, draw)(data, out, path)
     if len(kinds) > 1:
         raise PlotError("give timelines or one bench result, not both. Received: "
                         + ", ".join(f"{path} ({kind})" for path, kind, _ in loaded))

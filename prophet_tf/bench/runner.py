@@ -192,8 +192,12 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             for port_file, i in ps_addresses:
                 while not os.path.exists(port_file):
                     if procs[i].poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"PS {i} did not start; see "
-                                           f"{os.path.join(workdir, f'{tag}-ps{i}.log')}")
+                        # The log's directory goes with the bench: quote the log.
+                        logs[i].flush()
+                        path = os.path.join(workdir, f"{tag}-ps{i}.log")
+                        tail = open(path, errors="replace").read()[-3000:]
+                        raise RuntimeError(f"PS {i} did not start (exit code "
+                                           f"{procs[i].poll()}); its log {path}:\n{tail}")
                     time.sleep(0.05)
                 addresses.append(cluster.ps_address(i, int(open(port_file).read())))
         else:

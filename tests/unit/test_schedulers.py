@@ -470,20 +470,49 @@ def test_registry_and_partition_sizes():
     ("nope", {}, r"schedulers: fifo, p3, bytescheduler, prophet\. Received: scheduler='nope'"),
     (None, {}, r"Received: scheduler=None"),
     ("fifo", {"slice_bytes": 1}, r"valid options: none\. Received: slice_bytes=1"),
-    ("p3", {"credit_bytes": 1}, r"valid options: slice_bytes\. Received: credit_bytes=1"),
-    ("prophet", {"slice_bytes": 1}, r"valid options: partition_bytes\. Received: slice_bytes=1"),
+    ("p3", {"credit_bytes": 1},
+     r"valid options: slice_bytes, slices_in_flight\. Received: credit_bytes=1"),
+    ("prophet", {"slice_bytes": 1},
+     r"valid options: partition_bytes, blocks_in_flight\. Received: slice_bytes=1"),
+    ("prophet", {"blocks_in_flight": 0}, r"must be positive\. Received: blocks_in_flight=0"),
+    ("p3", {"slices_in_flight": 2.0}, r"must be an int\. Received: slices_in_flight=2\.0"),
     ("prophet", {"partition_bytes": 0}, r"must be positive\. Received: partition_bytes=0"),
     ("p3", {"slice_bytes": 0}, r"must be positive\. Received: slice_bytes=0"),
     ("bytescheduler", {"credit_bytes": -5}, r"must be positive\. Received: credit_bytes=-5"),
-    ("bytescheduler", {"partition_bytes": 4.5}, r"must be an int .*partition_bytes=4\.5"),
-    ("bytescheduler", {"partition_bytes": "4096"}, r"must be an int .*partition_bytes='4096'"),
-    ("p3", {"slice_bytes": True}, r"must be an int .*slice_bytes=True"),
+    ("bytescheduler", {"partition_bytes": 4.5}, r"must be an int\. Received: partition_bytes=4\.5"),
+    ("bytescheduler", {"partition_bytes": "4096"},
+     r"must be an int\. Received: partition_bytes='4096'"),
+    ("p3", {"slice_bytes": True}, r"must be an int\. Received: slice_bytes=True"),
 ])
 def test_validation_errors(name, options, match):
     with pytest.raises(ValueError, match=match):
         schedulers.validate_scheduler(name, **options)
     with pytest.raises(ValueError, match=match):
         schedulers.make_scheduler(name, **options)
+
+
+@pytest.mark.parametrize("name, options, blocks, nbytes", [
+    ("p3", {}, 2, None),
+    ("p3", {"slices_in_flight": 5}, 5, None),
+    ("prophet", {}, 2, 2 * 512 * 1024),
+    ("prophet", {"blocks_in_flight": 3}, 3, 3 * 512 * 1024),
+])
+def test_the_window_options_set_what_a_link_has_in_flight(name, options, blocks, nbytes):
+    # Items of 100 KB on one link: as many blocks start as the window holds
+    # (Prophet before its first plan sends by priority, blocks of <= 512 KiB).
+    s = schedulers.make_scheduler(name, **options)
+    assert (s.window_blocks, s.window_bytes) == (blocks, nbytes)
+    for k in range(40):
+        s.add(schedulers.ReadyItem(key=k, partition=0, ps_index=0, iteration=0, priority=k,
+                                   nbytes=100_000, ready_ns=0))
+    started = []
+    while block := s.next_block(0):
+        started.append(block)
+    assert len(started) == blocks
+    assert s.windows[0].blocks == blocks and not s.windows[0].open
+    assert s.next_block(0) == []
+    s.on_sent(started[0], 0, 1)  # one finishes: exactly one more may start
+    assert len(s.next_block(0)) >= 1 and s.next_block(0) == []
 
 
 def test_parse_scheduler():

@@ -55,7 +55,7 @@ def validate_scheduler(name: str, **options) -> str:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"Option {option} of scheduler {name!r} must be an int (bytes). "
+            raise ValueError(f"Option {option} of scheduler {name!r} must be an int. "
                              f"Received: {option}={value!r}")
         if value <= 0:
             raise ValueError(f"Option {option} of scheduler {name!r} must be positive. "

@@ -22,16 +22,22 @@ class P3Scheduler(PriorityScheduler):
 
     Args:
       slice_bytes: slice size in bytes.
+      slices_in_flight: the window: slices in flight per link. A slice holds
+        its place until the PS has answered, so the window must cover what
+        the link carries during that answer's delay; on a fast link more
+        slices keep it busy, at the cost of urgent slices waiting behind them
+        (see ``ProphetScheduler``'s ``blocks_in_flight``).
     """
 
     name = "p3"
-    OPTIONS = {"slice_bytes": 200_000}
     SLICES_IN_FLIGHT = 2
+    OPTIONS = {"slice_bytes": 200_000, "slices_in_flight": SLICES_IN_FLIGHT}
     window_blocks = SLICES_IN_FLIGHT
 
-    def __init__(self, slice_bytes: int = 200_000):
+    def __init__(self, slice_bytes: int = 200_000, slices_in_flight: int = SLICES_IN_FLIGHT):
         super().__init__()
         self.slice_bytes = slice_bytes
+        self.slices_in_flight = self.window_blocks = slices_in_flight
 
     @property
     def partition_bytes(self) -> int:

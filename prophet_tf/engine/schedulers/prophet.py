@@ -67,8 +67,13 @@ class ProphetScheduler(PriorityScheduler):
       scheduler, and the PS can apply the first layers while the rest follow).
 
     Window: :attr:`BLOCKS_IN_FLIGHT` = 2 blocks and as many BLOCK_BYTES per
-    link; a gap block must also fit its gap budget, which counts the bytes
-    already in flight.
+    link (option ``blocks_in_flight``); a gap block must also fit its gap
+    budget, which counts the bytes already in flight. A block holds its place
+    in the window until the PS has answered, so a link stays busy only if
+    the window covers what it carries during one answer's delay (the PS's
+    work, the answer queued behind the other direction's traffic): on a fast
+    link more blocks in flight pay, on a slow one they only make urgent
+    blocks wait longer (measured in the README, "The in-flight window").
 
     Priority rule: every block is a prefix of its link's ready-and-unsent
     items in :func:`urgency` order. So, once a burst has arrived, no transfer
@@ -116,11 +121,14 @@ class ProphetScheduler(PriorityScheduler):
     window_blocks = BLOCKS_IN_FLIGHT
     window_bytes = BLOCKS_IN_FLIGHT * BLOCK_BYTES
     #: ``partition_bytes``: the partition size the workers declare.
-    OPTIONS = {"partition_bytes": PARTITION_BYTES}
+    OPTIONS = {"partition_bytes": PARTITION_BYTES, "blocks_in_flight": BLOCKS_IN_FLIGHT}
 
-    def __init__(self, partition_bytes: int = PARTITION_BYTES):
+    def __init__(self, partition_bytes: int = PARTITION_BYTES,
+                 blocks_in_flight: int = BLOCKS_IN_FLIGHT):
         super().__init__()
         self._partition_bytes = partition_bytes
+        self.blocks_in_flight = self.window_blocks = blocks_in_flight
+        self.window_bytes = blocks_in_flight * self.BLOCK_BYTES
         self._bw: dict[int, profiler.BandwidthEstimator] = {}
         self._priority_of: dict[int, int] = {}
         self._iter: int | None = None

@@ -72,8 +72,9 @@ class ProphetScheduler(PriorityScheduler):
     in the window until the PS has answered, so a link stays busy only if
     the window covers what it carries during one answer's delay (the PS's
     work, the answer queued behind the other direction's traffic): on a fast
-    link more blocks in flight pay, on a slow one they only make urgent
-    blocks wait longer (measured in the README, "The in-flight window").
+    link more blocks in flight pay; on a slow one they gain little, and an
+    urgent block may wait behind every byte in flight (measured in the
+    README, "The in-flight window").
 
     Priority rule: every block is a prefix of its link's ready-and-unsent
     items in :func:`urgency` order. So, once a burst has arrived, no transfer

@@ -163,6 +163,13 @@ def _stop(procs) -> None:
             p.wait(10)
 
 
+def _log_tail(path: str) -> str:
+    """The end of a task's log, for an error message: the bench's working
+    directory, and the log with it, is gone by the time the user reads it."""
+    with open(path, errors="replace") as f:
+        return f.read()[-3000:]
+
+
 def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: dict,
               options: dict | None = None) -> dict:
     """One training run (``options``: the scheduler's); returns the workers' reports."""
@@ -192,12 +199,10 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             for port_file, i in ps_addresses:
                 while not os.path.exists(port_file):
                     if procs[i].poll() is not None or time.monotonic() > deadline:
-                        # The log's directory goes with the bench: quote the log.
-                        logs[i].flush()
                         path = os.path.join(workdir, f"{tag}-ps{i}.log")
-                        tail = open(path, errors="replace").read()[-3000:]
                         raise RuntimeError(f"PS {i} did not start (exit code "
-                                           f"{procs[i].poll()}); its log {path}:\n{tail}")
+                                           f"{procs[i].poll()}); its log {path}:\n"
+                                           f"{_log_tail(path)}")
                     time.sleep(0.05)
                 addresses.append(cluster.ps_address(i, int(open(port_file).read())))
         else:
@@ -243,7 +248,7 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
         if bad or any(p.poll() not in (None, 0) for p in procs):
             j = bad[0][0] if bad else 0
             path = os.path.join(workdir, f"{tag}-worker{j}.log")
-            tail = open(path, errors="replace").read()[-3000:]
+            tail = _log_tail(path)
             raise RuntimeError(f"{scheduler} run failed (worker exit codes "
                                f"{[p.poll() for p in worker_procs]}); worker {j} log {path}:\n"
                                f"{tail}")

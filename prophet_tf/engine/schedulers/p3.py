@@ -32,7 +32,6 @@ class P3Scheduler(PriorityScheduler):
     name = "p3"
     SLICES_IN_FLIGHT = 2
     OPTIONS = {"slice_bytes": 200_000, "slices_in_flight": SLICES_IN_FLIGHT}
-    window_blocks = SLICES_IN_FLIGHT
 
     def __init__(self, slice_bytes: int = 200_000, slices_in_flight: int = SLICES_IN_FLIGHT):
         super().__init__()

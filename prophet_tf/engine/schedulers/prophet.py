@@ -116,11 +116,9 @@ class ProphetScheduler(PriorityScheduler):
     ITERATIONS_BEFORE_PLAN = WARMUP_ITERATIONS + PROFILE_ITERATIONS + 1
     DRIFT_WINDOW = 3
     DRIFT_FLOOR_NS = 1_000_000
+    #: The default window: two blocks in flight per link (one on the wire, one
+    #: queued behind it), of at most BLOCK_BYTES each unless one item is larger.
     BLOCKS_IN_FLIGHT = 2
-    #: The window: two blocks in flight per link (one on the wire, one queued
-    #: behind it), of at most BLOCK_BYTES each unless one item is larger.
-    window_blocks = BLOCKS_IN_FLIGHT
-    window_bytes = BLOCKS_IN_FLIGHT * BLOCK_BYTES
     #: ``partition_bytes``: the partition size the workers declare.
     OPTIONS = {"partition_bytes": PARTITION_BYTES, "blocks_in_flight": BLOCKS_IN_FLIGHT}
 
@@ -128,6 +126,7 @@ class ProphetScheduler(PriorityScheduler):
                  blocks_in_flight: int = BLOCKS_IN_FLIGHT):
         super().__init__()
         self._partition_bytes = partition_bytes
+        # The window (base class) in blocks and bytes; the option as given.
         self.blocks_in_flight = self.window_blocks = blocks_in_flight
         self.window_bytes = blocks_in_flight * self.BLOCK_BYTES
         self._bw: dict[int, profiler.BandwidthEstimator] = {}

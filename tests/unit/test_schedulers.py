@@ -511,6 +511,8 @@ def test_the_window_options_set_what_a_link_has_in_flight(name, options, blocks,
     assert len(started) == blocks
     assert s.windows[0].blocks == blocks and not s.windows[0].open
     assert s.next_block(0) == []
+    if name == "p3":  # the timeline's plan records the window in force
+        assert s.plan()["slices_in_flight"] == blocks
     s.on_sent(started[0], 0, 1)  # one finishes: exactly one more may start
     assert len(s.next_block(0)) >= 1 and s.next_block(0) == []
 

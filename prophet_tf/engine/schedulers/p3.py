@@ -50,4 +50,4 @@ class P3Scheduler(PriorityScheduler):
 
     def plan(self) -> dict:
         return {"scheduler": self.name, "slice_bytes": self.slice_bytes,
-                "slices_in_flight": self.SLICES_IN_FLIGHT}
+                "slices_in_flight": self.slices_in_flight}

@@ -528,6 +528,33 @@ def test_updates_equal_single_process_keras(make_servicer, make_optimizer):
                                        err_msg=f"{SHAPES[k][0]} at step {step}")
 
 
+def test_learning_rates_sent_with_pushes_are_applied_per_step(make_servicer):
+    """A callback's rate reaches the PS with each step's pushes; the PS sets
+    the optimizer only when the rate changes, so a change, a repeat and a
+    return to an earlier rate must all be applied as Keras applies them."""
+    servicer = make_servicer()
+    values = initial(5)
+    reference_vars = [keras.Variable(values[k]) for k in SHAPES]
+    reference = keras.optimizers.SGD(0.1, momentum=0.9)
+    reference.build(reference_vars)
+    cfg = config(keras.optimizers.SGD(0.1, momentum=0.9), reference_vars)
+    register(servicer, 0, cfg, values)
+    register(servicer, 1, cfg)
+    rng = np.random.default_rng(11)
+    for step, rate in enumerate([0.1, 0.1, 0.025, 0.025, 0.1, 0.5]):
+        grads = [{k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in SHAPES.items()}
+                 for _ in range(2)]
+        for wid in (1, 0):
+            servicer.Push(ps_pb2.PushRequest(worker_id=wid, learning_rate=rate,
+                                             chunks=grad_chunks(grads[wid], step)), Context())
+        reference.learning_rate = rate
+        reference.apply([grads[0][k] + grads[1][k] for k in SHAPES], reference_vars)
+        got, _ = pull(servicer, step + 1)
+        for k, variable in enumerate(reference_vars):
+            np.testing.assert_allclose(got[k], variable.numpy(), rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{SHAPES[k][0]} at step {step}, rate {rate}")
+
+
 # ------------------------------------------------------------- wire format
 
 def test_malformed_push_bytes_are_invalid_argument(ready):

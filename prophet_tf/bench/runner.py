@@ -300,7 +300,7 @@ def _run_step_time(reports: list[dict], warmup: int) -> float:
 
 def run_bench(args, out=sys.stdout) -> dict:
     """Runs the configuration of ``args`` (see :func:`_parse`); returns the JSON dict."""
-    names = scheduler_specs(args.schedulers)
+    names = schedulers_lib.split_specs(args.schedulers)
     given: dict[str, dict] = {}  # scheduler spec -> the options it names
     for n in names:
         if n != "tf-mwms":
@@ -453,19 +453,6 @@ def _tune_bytescheduler(args, compute_runs: list, profile: dict, framing: float,
           f"partition_bytes={chosen['partition_bytes']}, credit_bytes={chosen['credit_bytes']}",
           file=out, flush=True)
     return chosen, rows
-
-
-def scheduler_specs(text: str) -> list[str]:
-    """The entries of ``--schedulers``: names, or a name with options
-    (``prophet:partition_bytes=200000,...``: a field with ``=`` and no ``:``
-    belongs to the entry before it)."""
-    specs: list[str] = []
-    for field in (f.strip() for f in text.split(",")):
-        if "=" in field and ":" not in field and specs:
-            specs[-1] += "," + field
-        elif field:
-            specs.append(field)
-    return specs
 
 
 def scaled_profile(profile: dict, scale: float) -> dict:

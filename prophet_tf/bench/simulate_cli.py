@@ -27,12 +27,21 @@ def sweep(profile: dict, schedulers: Sequence[str], workers: Sequence[int],
     for w in workers:
         ps = num_ps or max(1, w // 4)
         for bw in bandwidths_mbit:
-            for name in schedulers:
-                r = simulate_lib.simulate(profile, name, w, ps, bw, **kwargs)
-                rows.append({"workers": w, "ps": ps, "bandwidth_mbit": bw, "scheduler": name,
+            for spec in schedulers:
+                r = _simulate_spec(profile, spec, w, ps, bw, **kwargs)
+                rows.append({"workers": w, "ps": ps, "bandwidth_mbit": bw, "scheduler": spec,
                              "step_time_s": r["step_time_s"],
                              "ideal_step_time_s": r["ideal_step_time_s"]})
     return rows
+
+
+def _simulate_spec(profile: dict, spec: str, *args, **kwargs) -> dict:
+    """:func:`simulate` of a scheduler spec as the bench takes it
+    (``"name"`` or ``"name:option=value,..."``); the row is named by the spec."""
+    name, options = schedulers_lib.parse_scheduler(spec)
+    row = simulate_lib.simulate(profile, name, *args, scheduler_options=options, **kwargs)
+    row["scheduler"] = spec
+    return row
 
 
 def plot_sweep(rows: list[dict], path: str, title: str) -> str:
@@ -81,7 +90,9 @@ def _parse(argv):
     parser.add_argument("--bandwidth-mbit", type=float, default=10000.0,
                         help="each link's bandwidth per direction (default 10000)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency")
-    parser.add_argument("--schedulers", default="fifo,p3,bytescheduler,prophet")
+    parser.add_argument("--schedulers", default="fifo,p3,bytescheduler,prophet",
+                        help="comma-separated, each with options as in `prophet-tf bench`, "
+                             "e.g. fifo,prophet:blocks_in_flight=4 (default %(default)s)")
     parser.add_argument("--iterations", type=int, default=None,
                         help=f"steps to simulate (default {simulate_lib.WARMUP_ITERATIONS} warm-up + 8)")
     parser.add_argument("--compute-s", type=float, default=None,
@@ -171,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         profile = models.load_profile(args.model)
-        names = [n.strip() for n in args.schedulers.split(",") if n.strip()]
+        names = schedulers_lib.split_specs(args.schedulers)
         for n in names:
-            schedulers_lib.validate_scheduler(n)
+            schedulers_lib.parse_scheduler(n)
         overhead = args.rpc_overhead_ms / 1e3
         if args.validate:
             with open(args.validate) as f:
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 plot_sweep(rows, args.plot, f"{args.model}: simulated speedup over FIFO")
                 print(f"plot written to {args.plot}")
         else:
-            rows = [simulate_lib.simulate(profile, n, args.workers, args.ps, args.bandwidth_mbit,
+            rows = [_simulate_spec(profile, n, args.workers, args.ps, args.bandwidth_mbit,
                              latency_ms=args.latency_ms, iterations=args.iterations,
                              compute_s=args.compute_s, rpc_overhead_s=overhead,
                              layout=args.layout) for n in names]

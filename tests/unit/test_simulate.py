@@ -249,3 +249,28 @@ def test_per_message_and_per_byte_costs_are_paid_by_every_message():
     free = simulate.simulate(profile, "fifo", workers=1, num_ps=1, bandwidth_mbit=None,
                              rpc_overhead_s=0.002)
     assert free["step_time_s"] == pytest.approx(2 * 0.002)
+
+
+def test_scheduler_specs_split_as_the_bench_reads_them():
+    assert schedulers.split_specs("fifo, prophet:partition_bytes=100000,blocks_in_flight=4,p3") == [
+        "fifo", "prophet:partition_bytes=100000,blocks_in_flight=4", "p3"]
+    assert schedulers.split_specs("") == []
+
+
+@pytest.mark.timeout(120)
+def test_simulate_cli_takes_scheduler_options(tmp_path, capsys):
+    """`prophet-tf simulate` runs a scheduler with the options the bench takes,
+    names the row by its spec, and refuses a bad option before simulating."""
+    from prophet_tf.bench import simulate_cli
+    out = tmp_path / "sim.json"
+    specs = "p3,p3:slice_bytes=4000000"
+    assert simulate_cli.main(["--model", "cnn", "--workers", "2", "--ps", "1",
+                              "--bandwidth-mbit", "200",
+                              "--schedulers", specs, "--json", str(out)]) == 0
+    rows = {r["scheduler"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["p3", "p3:slice_bytes=4000000"]
+    # One PS: the 4 MiB dense kernel goes whole, and its pull cannot start
+    # before all of its push has arrived (0.73 s against 0.42 s).
+    assert rows["p3:slice_bytes=4000000"]["step_time_s"] > 1.3 * rows["p3"]["step_time_s"]
+    assert simulate_cli.main(["--model", "cnn", "--schedulers", "p3:bogus=1"]) == 2
+    assert "Unknown option for scheduler 'p3'" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from prophet_tf.engine.schedulers.prophet import ProphetScheduler
 __all__ = ["ReadyItem", "urgency", "Window", "Windows", "Scheduler", "FifoScheduler",
            "P3Scheduler", "ByteScheduler", "ProphetScheduler", "SCHEDULERS",
            "DEFAULT_PARTITION_BYTES", "MAX_BLOCK_BYTES", "make_scheduler", "validate_scheduler",
-           "parse_scheduler"]
+           "parse_scheduler", "split_specs"]
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
     cls.name: cls for cls in (FifoScheduler, P3Scheduler, ByteScheduler, ProphetScheduler)}
@@ -90,3 +90,17 @@ def parse_scheduler(spec: str) -> tuple[str, dict[str, int]]:
                              f"'bytescheduler:credit_bytes=8000000'. Received: {spec!r}") from None
     validate_scheduler(name.strip(), **options)
     return name.strip(), options
+
+
+def split_specs(text: str) -> list[str]:
+    """The entries of a comma-separated scheduler list (``--schedulers``):
+    names, or a name with options (``fifo,prophet:partition_bytes=200000,
+    blocks_in_flight=4``: a field with ``=`` and no ``:`` belongs to the
+    entry before it). Not validated: see :func:`parse_scheduler`."""
+    specs: list[str] = []
+    for field in (f.strip() for f in text.split(",")):
+        if "=" in field and ":" not in field and specs:
+            specs[-1] += "," + field
+        elif field:
+            specs.append(field)
+    return specs

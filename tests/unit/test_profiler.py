@@ -150,6 +150,18 @@ def test_bandwidth_overlapping_transfers_count_busy_time_once():
     assert e.bytes_per_ns == pytest.approx(1.0)
 
 
+def test_bandwidth_counts_the_union_when_a_later_push_ends_first():
+    """Pushes in flight together finish in any order; the busy time is the
+    union of their intervals whatever the order they are recorded in."""
+    e = profiler.BandwidthEstimator()
+    e.add(300, 2, 5)  # started after the next one, ended first
+    e.add(1000, 0, 10)
+    assert e.bytes_per_ns == pytest.approx(1300 / 10)  # not 1300 / 8
+    e.add(700, 20, 30)  # a gap of idle link is not busy time
+    e.add(100, 25, 40)
+    assert e.bytes_per_ns == pytest.approx(2100 / (10 + 20))
+
+
 def test_bandwidth_window_follows_a_change():
     e = profiler.BandwidthEstimator(window=4)
     t = 0

@@ -163,23 +163,13 @@ class BandwidthEstimator:
     def __init__(self, window: int = 32):
         if window < 1:
             raise ValueError(f"window must be >= 1. Received: window={window!r}")
-        self._samples: collections.deque[tuple[int, int]] = collections.deque(maxlen=window)
-        self._bytes = 0
-        self._busy_ns = 0
-        self._last_end = None
+        # (start_ns, end_ns, nbytes) of the last ``window`` transfers, in the
+        # order they finished (not started: a later push may end first).
+        self._samples: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=window)
 
     def add(self, nbytes: int, start_ns: int, end_ns: int) -> None:
         """Records a finished transfer of ``nbytes`` that ran from start to end."""
-        begin = start_ns if self._last_end is None else max(start_ns, self._last_end)
-        busy = max(0, end_ns - begin)
-        self._last_end = end_ns if self._last_end is None else max(self._last_end, end_ns)
-        if len(self._samples) == self._samples.maxlen:
-            old_bytes, old_busy = self._samples[0]
-            self._bytes -= old_bytes
-            self._busy_ns -= old_busy
-        self._samples.append((nbytes, busy))
-        self._bytes += nbytes
-        self._busy_ns += busy
+        self._samples.append((start_ns, max(start_ns, end_ns), nbytes))
 
     @property
     def samples(self) -> int:
@@ -189,9 +179,18 @@ class BandwidthEstimator:
     @property
     def bytes_per_ns(self) -> float | None:
         """The estimate in bytes per ns (= GB/s), or None before any busy time."""
-        if self._busy_ns <= 0 or self._bytes <= 0:
+        busy, covered_to = 0, None
+        for start, end, _ in sorted(self._samples):
+            if covered_to is None or start >= covered_to:
+                busy += end - start
+                covered_to = end
+            elif end > covered_to:
+                busy += end - covered_to
+                covered_to = end
+        nbytes = sum(n for _, _, n in self._samples)
+        if busy <= 0 or nbytes <= 0:
             return None
-        return self._bytes / self._busy_ns
+        return nbytes / busy
 
 
 def drifted(value: float, reference: float, threshold: float = DRIFT_THRESHOLD,

@@ -22,26 +22,21 @@ __all__ = ["sweep", "plot_sweep", "validate", "main"]
 
 def sweep(profile: dict, schedulers: Sequence[str], workers: Sequence[int],
           bandwidths_mbit: Sequence[float], num_ps: int | None = None, **kwargs) -> list[dict]:
-    """:func:`simulate` over a grid; ``num_ps`` None = one PS per 4 workers (at least 1)."""
+    """:func:`simulate` over a grid; ``num_ps`` None = one PS per 4 workers (at least 1).
+    ``schedulers``: specs as ``--schedulers`` takes them (``"p3:slice_bytes=N"``),
+    which name the rows."""
+    parsed = {spec: schedulers_lib.parse_scheduler(spec) for spec in schedulers}
     rows = []
     for w in workers:
         ps = num_ps or max(1, w // 4)
         for bw in bandwidths_mbit:
-            for spec in schedulers:
-                r = _simulate_spec(profile, spec, w, ps, bw, **kwargs)
+            for spec, (name, options) in parsed.items():
+                r = simulate_lib.simulate(profile, name, w, ps, bw, scheduler_options=options,
+                                          **kwargs)
                 rows.append({"workers": w, "ps": ps, "bandwidth_mbit": bw, "scheduler": spec,
                              "step_time_s": r["step_time_s"],
                              "ideal_step_time_s": r["ideal_step_time_s"]})
     return rows
-
-
-def _simulate_spec(profile: dict, spec: str, *args, **kwargs) -> dict:
-    """:func:`simulate` of a scheduler spec as the bench takes it
-    (``"name"`` or ``"name:option=value,..."``); the row is named by the spec."""
-    name, options = schedulers_lib.parse_scheduler(spec)
-    row = simulate_lib.simulate(profile, name, *args, scheduler_options=options, **kwargs)
-    row["scheduler"] = spec
-    return row
 
 
 def plot_sweep(rows: list[dict], path: str, title: str) -> str:
@@ -183,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         profile = models.load_profile(args.model)
         names = schedulers_lib.split_specs(args.schedulers)
-        for n in names:
-            schedulers_lib.parse_scheduler(n)
+        # Parsed (and so validated) before any simulation runs.
+        parsed = {n: schedulers_lib.parse_scheduler(n) for n in names}
         overhead = args.rpc_overhead_ms / 1e3
         if args.validate:
             with open(args.validate) as f:
@@ -220,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
                 plot_sweep(rows, args.plot, f"{args.model}: simulated speedup over FIFO")
                 print(f"plot written to {args.plot}")
         else:
-            rows = [_simulate_spec(profile, n, args.workers, args.ps, args.bandwidth_mbit,
-                             latency_ms=args.latency_ms, iterations=args.iterations,
-                             compute_s=args.compute_s, rpc_overhead_s=overhead,
-                             layout=args.layout) for n in names]
+            rows = [{**simulate_lib.simulate(
+                        profile, name, args.workers, args.ps, args.bandwidth_mbit,
+                        latency_ms=args.latency_ms, iterations=args.iterations,
+                        compute_s=args.compute_s, rpc_overhead_s=overhead, layout=args.layout,
+                        scheduler_options=options), "scheduler": spec}
+                    for spec, (name, options) in parsed.items()]
             fifo = next((r["step_time_s"] for r in rows if r["scheduler"] == "fifo"), None)
             for r in rows:
                 r["speedup_vs_fifo"] = fifo / r["step_time_s"] if fifo else None

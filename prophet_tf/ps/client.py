@@ -42,7 +42,7 @@ class Chunk:
 
 
 class PSClient:
-    """A connection from one worker to one PS task.
+    """A worker's link to one PS task: two gRPC connections, pushes on one.
 
     Args:
         address: the PS task's ``host:port``.
@@ -69,13 +69,21 @@ class PSClient:
         # The bench's fallback link shaping, (push, pull) token buckets or None;
         # made by the caller (prophet_tf.bench.shaping.from_env).
         self._shapers = shapers
-        self._channel = security_lib.create_channel(
-            address, channel_options(max_message_bytes) + list(options), security=self._security)
+        # Two TCP connections: pushes on one, everything else (pulls above all)
+        # on the other. A push's answer, and the HTTP/2 window updates that let
+        # the next push flow, then never queue behind megabytes of pulled
+        # parameters in one connection's socket buffers, which would idle the
+        # push link. A local subchannel pool each keeps gRPC from sharing one
+        # connection between the two channels.
+        opts = channel_options(max_message_bytes) + list(options) + [
+            ("grpc.use_local_subchannel_pool", 1)]
+        self._channel = security_lib.create_channel(address, opts, security=self._security)
+        self._push_channel = security_lib.create_channel(address, opts, security=self._security)
         method = f"/{SERVICE_NAME}/"
         self._register = self._channel.unary_unary(
             method + "Register", request_serializer=ps_pb2.RegisterRequest.SerializeToString,
             response_deserializer=ps_pb2.RegisterResponse.FromString)
-        self._push = self._channel.unary_unary(
+        self._push = self._push_channel.unary_unary(
             method + "Push", request_serializer=b"".join,
             response_deserializer=ps_pb2.PushResponse.FromString)
         self._pull = self._channel.unary_stream(
@@ -254,6 +262,7 @@ class PSClient:
 
     def close(self) -> None:
         self._channel.close()
+        self._push_channel.close()
 
     def __enter__(self):
         return self

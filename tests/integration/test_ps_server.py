@@ -177,6 +177,38 @@ def test_bad_inputs_get_their_status_and_change_nothing(model):
             values[k], snapshot[k] - (grads(version, 0)[k] + grads(version, 1)[k]))
 
 
+def _connections_to(port: int) -> set[str]:
+    """The client ends of this namespace's established TCP connections to ``port``."""
+    ends = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                local, remote, state = line.split()[1:4]
+                if state == "01" and int(remote.rsplit(":", 1)[1], 16) == port:
+                    ends.add(local)
+    return ends
+
+
+@pytest.mark.timeout(60)
+def test_pushes_travel_on_a_connection_of_their_own(start_ps):
+    """A push's answer must not queue behind pulled parameters in the buffers
+    of one TCP connection: a client's pushes use a connection apart."""
+    ps = start_ps("--num-workers", "1", "--max-partition-bytes", str(LIMIT))
+    port = int(ps.address.rsplit(":", 1)[1])
+    with ps_client.PSClient(ps.address, 0, 1) as client:
+        client.wait_ready(60)
+        initial = {k: np.zeros(s, np.float32) for k, (_, s) in SHAPES.items()}
+        client.register(SPECS, SGD1, initial, max_partition_bytes=LIMIT, timeout=60)
+        pull_all(client, 0)
+        before = _connections_to(port)
+        push_step(client, 0)
+        after = _connections_to(port)
+        assert len(after - before) == 1, (before, after)
+        values, versions = pull_all(client, 1)  # on the first connection again
+        assert versions == {1} and not _connections_to(port) - after
+        np.testing.assert_array_equal(values[1], -grads(0, 0)[1])
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_with_another_model_is_rejected_and_the_others_fail_fast(start_ps):
     ps = start_ps("--num-workers", "2", "--max-partition-bytes", str(LIMIT))

@@ -29,6 +29,10 @@ __all__ = ["bench_table", "suite_table", "validate_table", "render", "main"]
 _BLOCK = re.compile(r"(<!-- table: (\w+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
@@ -54,7 +58,7 @@ def bench_table(result: dict) -> str:
     lines.append("")
     lines.append(
         f"{config['model']}, {config['workers']} workers, {config['ps']} PS ({layout}), "
-        f"{config['bandwidth_mbit']:g} Mbit/s, {len(rows[0]['step_time_s_all'])} runs of "
+        f"{config['bandwidth_mbit']:g} Mbit/s, {_count(len(rows[0]['step_time_s_all']), 'run')} of "
         f"{config['steps']} steps; compute {_ms(config['compute_s'])} ms; ideal "
         f"{_ms(ideal['ideal_s'])} ms = max(compute {_ms(ideal['compute_s'])}, busiest link "
         f"{_ms(ideal['busiest_link_s'])}"

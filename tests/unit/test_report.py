@@ -39,7 +39,13 @@ def test_a_bench_table_carries_the_json_numbers(tmp_path):
     # The ideal bound is the PS layout's: not shown for the all-reduce.
     assert "| tf-mwms | 250.0 ms | 250.0–300.0 | 256.0 | 0.62 | 1.00 | – |" in text
     assert "2 PS (colocated)" in text and text.startswith("intro\n") and text.endswith("after\n")
+    assert "200 Mbit/s, 3 runs of 30 steps" in text
     assert report.main([str(md), "--check"]) == 0
+    for r in result["results"]:
+        r["step_time_s_all"] = r["step_time_s_all"][:1]
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert report.main([str(md)]) == 0
+    assert "200 Mbit/s, 1 run of 30 steps" in md.read_text()
 
 
 def test_bad_markers_name_what_was_received(tmp_path):

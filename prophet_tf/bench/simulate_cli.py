@@ -133,8 +133,9 @@ def validate(bench: dict, profile: dict,
     profile = config.get("profile", profile)  # measured in the bench itself
     rows = []
     for r in bench["results"]:
-        if r["scheduler"] not in schedulers_lib.SCHEDULERS:
-            continue
+        name = r["scheduler"].partition(":")[0]
+        if name not in schedulers_lib.SCHEDULERS:
+            continue  # tf-mwms: not a PS scheduler
         costs = r.get("message_costs")
         if timeline_dir:
             costs = message_costs.combine([
@@ -142,12 +143,14 @@ def validate(bench: dict, profile: dict,
                                       config.get("layout", "dedicated"), config["warmup_steps"])
                 for d in sorted(glob.glob(os.path.join(timeline_dir, r["scheduler"] + "-*")))])
         costs = costs or {"overhead_s": rpc_overhead_s, "per_byte_s": 0.0, "messages": 0}
-        # The options the run used (ByteScheduler's are tuned per run).
+        # The options the run used: those its spec gave, and ByteScheduler's
+        # tuned ones, which the run records with every effective setting.
+        _, options = schedulers_lib.parse_scheduler(r["scheduler"])
         settings = config.get("scheduler_settings", {}).get(r["scheduler"], {})
-        options = {k: v for k, v in settings.items()
-                   if k in schedulers_lib.SCHEDULERS[r["scheduler"]].OPTIONS}
+        options.update({k: v for k, v in settings.items()
+                        if k in schedulers_lib.SCHEDULERS[name].OPTIONS})
         # A time-scaled run is simulated as it ran: its links, its scaled profile.
-        pred = simulate_lib.simulate(profile, r["scheduler"], config["workers"], config["ps"],
+        pred = simulate_lib.simulate(profile, name, config["workers"], config["ps"],
                         config.get("link_mbit", config["bandwidth_mbit"]),
                         latency_ms=config.get("link_latency_ms", config.get("latency_ms", 0.0)),
                         rpc_overhead_s=costs["overhead_s"], rpc_per_byte_s=costs["per_byte_s"],

@@ -274,3 +274,18 @@ def test_simulate_cli_takes_scheduler_options(tmp_path, capsys):
     assert rows["p3:slice_bytes=4000000"]["step_time_s"] > 1.3 * rows["p3"]["step_time_s"]
     assert simulate_cli.main(["--model", "cnn", "--schedulers", "p3:bogus=1"]) == 2
     assert "Unknown option for scheduler 'p3'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_validate_simulates_each_run_with_the_options_it_ran():
+    """`simulate --validate` predicts every PS scheduler of a bench JSON, also
+    those run with options (p3:slices_in_flight=20), with those options."""
+    from prophet_tf.bench import simulate_cli
+    root = pathlib.Path(__file__).resolve().parents[2]
+    bench = json.loads((root / "benchmarks" / "window-cnn-emulated.json").read_text())
+    rows = {r["scheduler"]: r for r in simulate_cli.validate(bench, None)}
+    assert list(rows) == [r["scheduler"] for r in bench["results"]] == [
+        "p3", "p3:slices_in_flight=20", "prophet", "prophet:blocks_in_flight=8"]
+    # Its window of 20 slices, not p3's default 2, was simulated.
+    assert rows["p3:slices_in_flight=20"]["predicted_s"] != rows["p3"]["predicted_s"]
+    assert rows["prophet:blocks_in_flight=8"]["predicted_s"] != rows["prophet"]["predicted_s"]

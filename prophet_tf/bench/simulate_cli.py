@@ -133,9 +133,9 @@ def validate(bench: dict, profile: dict,
     profile = config.get("profile", profile)  # measured in the bench itself
     rows = []
     for r in bench["results"]:
-        name = r["scheduler"].partition(":")[0]
-        if name not in schedulers_lib.SCHEDULERS:
+        if r["scheduler"].partition(":")[0] not in schedulers_lib.SCHEDULERS:
             continue  # tf-mwms: not a PS scheduler
+        name, options = schedulers_lib.parse_scheduler(r["scheduler"])
         costs = r.get("message_costs")
         if timeline_dir:
             costs = message_costs.combine([
@@ -145,7 +145,6 @@ def validate(bench: dict, profile: dict,
         costs = costs or {"overhead_s": rpc_overhead_s, "per_byte_s": 0.0, "messages": 0}
         # The options the run used: those its spec gave, and ByteScheduler's
         # tuned ones, which the run records with every effective setting.
-        _, options = schedulers_lib.parse_scheduler(r["scheduler"])
         settings = config.get("scheduler_settings", {}).get(r["scheduler"], {})
         options.update({k: v for k, v in settings.items()
                         if k in schedulers_lib.SCHEDULERS[name].OPTIONS})

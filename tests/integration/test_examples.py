@@ -313,6 +313,18 @@ def test_ec2_dry_run(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_ec2_launcher_needs_only_the_standard_library(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(HOSTS)
+    args = [str(LAUNCH_EC2), str(hosts), "--workers-per-host", "2", "--dry-run", "--", "true"]
+    # -I -S: no site-packages on the path, so no TensorFlow, numpy or prophet_tf.
+    bare = subprocess.run([sys.executable, "-I", "-S", *args], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout == _ec2(*args[1:]).stdout and "CUDA_VISIBLE_DEVICES=1" in bare.stdout
+
+
+@pytest.mark.timeout(60)
 def test_ec2_dry_run_workers_per_host(tmp_path):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text(HOSTS)

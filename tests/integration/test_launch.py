@@ -123,8 +123,11 @@ def _run(args, timeout=120):
 def _start(tmp_path, args):
     """Starts the launcher, its output to tmp_path/launch.log; returns (process, log path)."""
     log = tmp_path / "launch.log"
+    # The launcher's temporary directory goes under tmp_path: a test that SIGKILLs the
+    # launcher leaves it there, not in the machine's /tmp.
+    env = dict(launch_env(), TMPDIR=str(tmp_path))
     with open(log, "wb") as f:
-        proc = subprocess.Popen(_launch_argv(*args), env=launch_env(), cwd=ROOT, stdout=f,
+        proc = subprocess.Popen(_launch_argv(*args), env=env, cwd=ROOT, stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return proc, log
 
@@ -310,6 +313,8 @@ def test_sigkilled_launcher_leaves_no_orphans(worker_script, tmp_path):
         proc.wait(10)
         # The PS shuts down gracefully on SIGTERM (no RPC in flight: quickly).
         assert _wait_gone(pids, timeout=15) == []
+        # A SIGKILLed launcher cannot remove its temporary directory; it is under tmp_path.
+        assert [p.name for p in tmp_path.glob("prophet-tf-launch-*")], list(tmp_path.iterdir())
     finally:
         reap(proc)
         _kill_leftovers(pids)

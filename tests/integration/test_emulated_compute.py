@@ -87,7 +87,7 @@ def test_bench_runs_the_emulated_cnn_under_prophet_tf_and_tf_mwms(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_runs_an_emulated_paper_model(tmp_path):
-    # Each ResNet-50 run takes 75-95 s on this 2-core machine (about 25 s to the first
+    # Each ResNet-50 run took 75-115 s on the 2-core development machine (about 25 s to the first
     # batch, 18 steps of about 2 s with both cores busy, teardown): one prophet_tf run
     # and one tf-mwms run, within the test's own time limit.
     result = _bench(tmp_path, "--model", "resnet50", "--compute-ms", "150", "--time-scale",

@@ -278,8 +278,9 @@ def test_ec2_workers_per_host_address_clashes(ec2):
         ec2.parse_hosts("a ps a:2224\na worker a:2223\n", devices=["0", "1"])
 
 
-def _ec2(*args, timeout=60, **env):
-    return subprocess.run([sys.executable, str(LAUNCH_EC2), *args], env=_env(**env), cwd=ROOT,
+def _ec2(*args, timeout=60, python_flags=(), **env):
+    return subprocess.run([sys.executable, *python_flags, str(LAUNCH_EC2), *args],
+                          env=_env(**env), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
@@ -316,12 +317,11 @@ def test_ec2_dry_run(tmp_path):
 def test_ec2_launcher_needs_only_the_standard_library(tmp_path):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text(HOSTS)
-    args = [str(LAUNCH_EC2), str(hosts), "--workers-per-host", "2", "--dry-run", "--", "true"]
+    args = [str(hosts), "--workers-per-host", "2", "--dry-run", "--", "true"]
     # -I -S: no site-packages on the path, so no TensorFlow, numpy or prophet_tf.
-    bare = subprocess.run([sys.executable, "-I", "-S", *args], env=_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    bare = _ec2(*args, python_flags=("-I", "-S"))
     assert bare.returncode == 0, bare.stderr
-    assert bare.stdout == _ec2(*args[1:]).stdout and "CUDA_VISIBLE_DEVICES=1" in bare.stdout
+    assert bare.stdout == _ec2(*args).stdout and "CUDA_VISIBLE_DEVICES=1" in bare.stdout
 
 
 @pytest.mark.timeout(60)

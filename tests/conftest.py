@@ -1,4 +1,7 @@
-"""Suite-wide options: ``--runslow`` runs the long variants marked ``slow``."""
+"""Suite-wide options and fixtures.
+
+``--runslow`` runs the long variants marked ``slow``.
+"""
 
 import pytest
 
@@ -15,3 +18,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def children_tmpdir(tmp_path_factory):
+    """Every child process's temporary files go under pytest's own temporary
+    directory (which pytest prunes), not /tmp: a worker that a test kills
+    cannot remove its own, such as TensorFlow's generated autograph sources."""
+    path = tmp_path_factory.mktemp("children-tmp")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(path))
+        yield path

@@ -9,7 +9,10 @@ becoming ready: the end of backprop (last gradient ready), the end of the
 last push of step k, the first and last pulled partition of version k+1, and
 the moment the last parameter of step k+1's forward was there; then the
 median over the steps. Also the time the push link was busy while backprop
-ran (a scheduler that holds gradients back leaves it idle).
+ran (a scheduler that holds gradients back leaves it idle), and how far the
+workers drift apart: each other worker's start of backprop minus worker 0's,
+per step (median and range). Synchronous workers out of phase load their
+hosts' links in turns, so each link idles while the other is busy.
 """
 import glob
 import json
@@ -20,9 +23,37 @@ import sys
 WARMUP_STEPS = 8
 
 
-def breakdown(directory: str, worker: int = 0) -> dict:
+def _events(directory: str, worker: int) -> list:
     with open(os.path.join(directory, f"worker-{worker}.json")) as f:
-        events = json.load(f)["traceEvents"]
+        return json.load(f)["traceEvents"]
+
+
+def _backward_starts(events: list) -> dict:
+    """Step -> when its first gradient became ready (us)."""
+    starts = {}
+    for e in events:
+        if e.get("cat") == "backward":
+            step = e["args"]["step"]
+            starts[step] = min(e["ts"], starts.get(step, e["ts"]))
+    return starts
+
+
+def phase_offsets(directory: str) -> dict:
+    """Worker w -> (median, min, max) over the measured steps of its start of
+    backprop minus worker 0's, in ms."""
+    paths = glob.glob(os.path.join(directory, "worker-*.json"))
+    starts = [_backward_starts(_events(directory, w)) for w in range(len(paths))]
+    out = {}
+    for w in range(1, len(starts)):
+        offsets = [(starts[w][k] - t) / 1e3 for k, t in starts[0].items()
+                   if k >= WARMUP_STEPS and k in starts[w]]
+        if offsets:
+            out[w] = (statistics.median(offsets), min(offsets), max(offsets))
+    return out
+
+
+def breakdown(directory: str, worker: int = 0) -> dict:
+    events = _events(directory, worker)
     by = {}
     for e in events:
         by.setdefault(e.get("cat"), []).append(e)
@@ -61,6 +92,9 @@ def main(argv):
                 print(os.path.basename(directory.rstrip("/")) + ": " + ", ".join(
                     f"{k} {v:.2f}" if k == "push_busy_in_backward" else f"{k} {v:.0f}"
                     for k, v in b.items()))
+            for w, (median, low, high) in phase_offsets(directory).items():
+                print(f"  worker {w} backprop starts {median:+.1f} ms from worker 0's "
+                      f"(median; {low:+.1f} to {high:+.1f})")
 
 
 if __name__ == "__main__":

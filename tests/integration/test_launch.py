@@ -123,8 +123,9 @@ def _run(args, timeout=120):
 def _start(tmp_path, args):
     """Starts the launcher, its output to tmp_path/launch.log; returns (process, log path)."""
     log = tmp_path / "launch.log"
-    # The launcher's temporary directory goes under tmp_path: a test that SIGKILLs the
-    # launcher leaves it there, not in the machine's /tmp.
+    # The launcher's temporary directory goes under this test's tmp_path (every child's
+    # TMPDIR is already off /tmp: conftest.children_tmpdir), so a test that SIGKILLs the
+    # launcher can find the directory it leaves.
     env = dict(launch_env(), TMPDIR=str(tmp_path))
     with open(log, "wb") as f:
         proc = subprocess.Popen(_launch_argv(*args), env=env, cwd=ROOT, stdout=f,

@@ -43,22 +43,29 @@ def bench_table(result: dict) -> str:
     by = {r["scheduler"]: r["step_time_s"] for r in rows}
     ideal = config["ideal"]
     lines = ["| scheduler | step time (median) | range over runs | samples/s | vs FIFO | "
-             "vs tf-mwms | vs ideal |", "|---|---|---|---|---|---|---|"]
+             "vs tf-mwms | vs ideal | CPU busy |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         step = r["step_time_s"]
         ratios = [f"{step / by[ref]:.2f}" if ref in by else "–" for ref in ("fifo", "tf-mwms")]
         # The bound is the PS layout's; an all-reduce is not bound by it.
         vs_ideal = ("–" if r["scheduler"] == "tf-mwms"
                     else f"{step / r['ideal_step_time_s']:.2f}")
+        # Cores in use by the run's processes together (older runs lack it).
+        busy = r.get("cpu_busy")
+        busy = f"{sum(busy.values()):.2f}" if busy else "–"
         lines.append(
             f"| {r['scheduler']} | {_ms(step)} ms | {_ms(min(r['step_time_s_all']))}–"
             f"{_ms(max(r['step_time_s_all']))} | {r['samples_per_s']:.1f} | {ratios[0]} | "
-            f"{ratios[1]} | {vs_ideal} |")
+            f"{ratios[1]} | {vs_ideal} | {busy} |")
     layout = config.get("layout", "dedicated")
+    scale = config.get("time_scale", 1.0)
     lines.append("")
     lines.append(
         f"{config['model']}, {config['workers']} workers, {config['ps']} PS ({layout}), "
-        f"{config['bandwidth_mbit']:g} Mbit/s, {_count(len(rows[0]['step_time_s_all']), 'run')} of "
+        f"{config['bandwidth_mbit']:g} Mbit/s"
+        + (f" at time scale {scale:g} (links {config['link_mbit']:g} Mbit/s, compute "
+           f"×{scale:g}; step times as measured)" if scale != 1 else "")
+        + f", {_count(len(rows[0]['step_time_s_all']), 'run')} of "
         f"{config['steps']} steps; compute {_ms(config['compute_s'])} ms; ideal "
         f"{_ms(ideal['ideal_s'])} ms = max(compute {_ms(ideal['compute_s'])}, busiest link "
         f"{_ms(ideal['busiest_link_s'])}"

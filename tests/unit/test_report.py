@@ -35,9 +35,10 @@ def test_a_bench_table_carries_the_json_numbers(tmp_path):
     assert report.main([str(md), "--check"]) == 1
     assert report.main([str(md)]) == 0
     text = md.read_text()
-    assert "| fifo | 400.0 ms | 390.0–450.0 | 160.0 | 1.00 | 1.60 | 2.00 |" in text
+    # CPU busy: "–" for a run that did not record it.
+    assert "| fifo | 400.0 ms | 390.0–450.0 | 160.0 | 1.00 | 1.60 | 2.00 | – |" in text
     # The ideal bound is the PS layout's: not shown for the all-reduce.
-    assert "| tf-mwms | 250.0 ms | 250.0–300.0 | 256.0 | 0.62 | 1.00 | – |" in text
+    assert "| tf-mwms | 250.0 ms | 250.0–300.0 | 256.0 | 0.62 | 1.00 | – | – |" in text
     assert "2 PS (colocated)" in text and text.startswith("intro\n") and text.endswith("after\n")
     assert "200 Mbit/s, 3 runs of 30 steps" in text
     assert report.main([str(md), "--check"]) == 0
@@ -46,6 +47,15 @@ def test_a_bench_table_carries_the_json_numbers(tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(result))
     assert report.main([str(md)]) == 0
     assert "200 Mbit/s, 1 run of 30 steps" in md.read_text()
+    # A scaled run says so, and each run's CPU busy is the sum over its processes.
+    result["config"].update(time_scale=6.0, link_mbit=33.3)
+    result["results"][0]["cpu_busy"] = {"ps0": 0.25, "worker0": 0.5}
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert report.main([str(md)]) == 0
+    text = md.read_text()
+    assert "200 Mbit/s at time scale 6 (links 33.3 Mbit/s, compute ×6; step times as " \
+        "measured), 1 run of 30 steps" in text
+    assert "| 2.00 | 0.75 |" in text
 
 
 def test_bad_markers_name_what_was_received(tmp_path):

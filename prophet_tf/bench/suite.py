@@ -66,7 +66,10 @@ SUITES = {
                    bandwidths_mbit=(3000.0, 10000.0), workers=(2, 4),
                    # V100-class fp32 training at batch 32 per GPU.
                    compute_ms={"resnet50": 90.0, "inceptionv3": 130.0, "vgg16": 145.0},
-                   transport_mbit=500.0, steps=12, reps=1, per_worker_batch=32,
+                   # 500 Mbit/s kept 1.6 of the 2 cores busy and made ResNet-50's
+                   # steps 9-18% longer at the cluster's scale than 250 did (the
+                   # README's "transport budget"): the CPU, not the links, set them.
+                   transport_mbit=250.0, steps=12, reps=1, per_worker_batch=32,
                    schedulers="fifo,p3,bytescheduler,prophet,tf-mwms"),
     "smoke": Suite("smoke", models=("cnn",), bandwidths_mbit=(400.0,), workers=(2,),
                    compute_ms={"cnn": 40.0}, transport_mbit=200.0, steps=10, reps=1,

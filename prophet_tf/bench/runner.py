@@ -71,6 +71,7 @@ from prophet_tf import cluster as cluster_lib
 from prophet_tf.bench import ideal as ideal_lib
 from prophet_tf.bench import message_costs, models, netns, suite as suite_lib
 from prophet_tf.bench import worker as worker_lib
+from prophet_tf.engine import engine as engine_lib
 from prophet_tf.engine import schedulers as schedulers_lib
 
 __all__ = ["run_bench", "main", "DEFAULTS", "WARMUP_STEPS"]
@@ -415,6 +416,8 @@ def run_bench(args, out=sys.stdout) -> dict:
               "link_latency_ms": latency_ms,
               "steps": args.steps, "warmup_steps": WARMUP_STEPS, "reps": args.reps,
               "global_batch": args.global_batch, "schedulers": names, "shaping": shaping,
+              # The workers inherit the bench's environment (runs A/B it with "0").
+              "answers_first": os.environ.get(engine_lib.ANSWERS_FIRST_ENV, "1") != "0",
               "num_params": profile["num_params"], "model_bytes": profile["trainable_bytes"],
               "compute_s": compute_s, "compute_s_all": [r["step_time_s"] for r in runs["compute"]],
               "ideal": bound, "threads": {"intra_op": models.INTRA_OP_THREADS,

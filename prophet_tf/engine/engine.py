@@ -33,6 +33,7 @@ import numpy as np
 from prophet_tf import cluster as cluster_lib
 from prophet_tf import codec, keras_optimizer, progress
 from prophet_tf.engine import liveness, schedulers
+from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.engine import timeline as timeline_lib
 from prophet_tf.engine.delivery import Assembler, Expected
 from prophet_tf.engine.dispatch import Dispatch
@@ -42,6 +43,8 @@ from prophet_tf.ps.client import Chunk, PSClient, variable_specs
 logger = logging.getLogger(__name__)
 
 SCHEDULER_ENV = "PROPHET_TF_SCHEDULER"
+#: "0" turns answers-first off (prophet_tf.engine.answers_first); for A/B runs.
+ANSWERS_FIRST_ENV = "PROPHET_TF_ANSWERS_FIRST"
 
 
 class Engine:
@@ -58,6 +61,9 @@ class Engine:
         prophet_tf.engine.timeline); None reads PROPHET_TF_TIMELINE; "" disables.
       make_shapers: called once per PS link for the link shaping its client
         applies (see prophet_tf.bench.shaping.from_env); None: no shaping.
+      answers_first: hold pushes to other hosts while a PS on this host owes
+        them answers (prophet_tf.engine.answers_first); None reads
+        PROPHET_TF_ANSWERS_FIRST ("0": off), else on.
       runtime: the op runtime the engine drives: ``prophet_tf._native``, or
         an object with the same ``next_grad``, ``release_grad``,
         ``queued_grads``, ``deliver_begin/write/commit``, ``drain_stamps``,
@@ -76,7 +82,8 @@ class Engine:
 
     def __init__(self, config: cluster_lib.ClusterConfig, scheduler: str | None = None, *,
                  scheduler_options: dict | None = None, rpc_timeout_s: float = 120.0,
-                 timeline: str | None = None, make_shapers=None, runtime=None):
+                 timeline: str | None = None, make_shapers=None, runtime=None,
+                 answers_first: bool | None = None):
         spec = scheduler if scheduler is not None else os.environ.get(SCHEDULER_ENV, "fifo")
         name, options = schedulers.parse_scheduler(spec)
         options.update(scheduler_options or {})
@@ -94,6 +101,8 @@ class Engine:
                              "Received: runtime=None")
         self._native = runtime
         self._make_shapers = make_shapers
+        self.answers_first = os.environ.get(ANSWERS_FIRST_ENV, "1") != "0" \
+            if answers_first is None else bool(answers_first)
         self._started = False
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -162,6 +171,9 @@ class Engine:
                          for address in self.config.ps]
         for client in self._clients:
             client.wait_ready(self.rpc_timeout_s)
+        self._answers = AnswersFirst(self.config, self._clients, self._stop,
+                                     max_wait_s=self.rpc_timeout_s) \
+            if self.answers_first else None
         # Heartbeats start before Register: registering may wait for worker
         # 0's values, and a worker that dies meanwhile must be noticed too.
         for i in range(len(self._clients)):
@@ -192,9 +204,11 @@ class Engine:
         # Push the last iteration's gradients before the interpreter exits, or
         # the other workers would wait for them in vain.
         atexit.register(self.shutdown)
-        logger.info("worker %d: training %d variables through %d PS task(s), scheduler %s%s",
+        logger.info("worker %d: training %d variables through %d PS task(s), scheduler %s%s%s",
                     self.worker_id, len(specs), len(self._clients), self.scheduler_name,
-                    f", from step {start}" if start else "")
+                    f", from step {start}" if start else "",
+                    f", answers first (PS {self._answers.local_ps} on this host)"
+                    if self._answers is not None and self._answers.active else "")
         return start
 
     @property
@@ -283,6 +297,8 @@ class Engine:
                 iterations = {item.iteration for item in block}
                 learning_rate = self._learning_rates.get(block[0].iteration) \
                     if len(iterations) == 1 else None
+            if self._answers is not None and self._answers.applies_to(ps_index):
+                self._answers.wait(min(iterations))
             start = time.monotonic_ns()
             future = client.push_future(chunks, timeout=self.rpc_timeout_s,  # Serialized here.
                                         learning_rate=learning_rate)

@@ -92,6 +92,9 @@ class PSClient:
         self._heartbeat = self._channel.unary_unary(
             method + "Heartbeat", request_serializer=ps_pb2.HeartbeatRequest.SerializeToString,
             response_deserializer=ps_pb2.HeartbeatResponse.FromString)
+        self._owed = self._channel.unary_unary(
+            method + "Owed", request_serializer=ps_pb2.OwedRequest.SerializeToString,
+            response_deserializer=ps_pb2.OwedResponse.FromString)
         self._gather = self._channel.unary_unary(
             method + "Gather", request_serializer=ps_pb2.GatherRequest.SerializeToString,
             response_deserializer=ps_pb2.GatherResponse.FromString)
@@ -238,6 +241,14 @@ class PSClient:
         request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, steps_pushed=steps_pushed,
                                           leaving=leaving)
         return self._heartbeat(request, timeout=timeout).failure
+
+    def owed(self, max_version: int, workers: Iterable[int],
+             timeout: float | None = None) -> int:
+        """Partitions of ``max_version`` or older that ``workers``' pulls asked
+        this PS for and it has not sent yet."""
+        request = ps_pb2.OwedRequest(worker_id=self.worker_id, max_version=max_version,
+                                     workers=list(workers))
+        return self._owed(request, timeout=timeout).partitions
 
     def gather(self, round_id: int, payload: bytes, timeout: float | None = None) -> list[bytes]:
         """One all-gather round: every worker's payload of ``round_id``, in worker order."""

@@ -96,6 +96,9 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
             servicer.Heartbeat,
             request_deserializer=protocol.tolerant_parser(ps_pb2.HeartbeatRequest),
             response_serializer=ps_pb2.HeartbeatResponse.SerializeToString),
+        "Owed": grpc.unary_unary_rpc_method_handler(
+            servicer.Owed, request_deserializer=protocol.tolerant_parser(ps_pb2.OwedRequest),
+            response_serializer=ps_pb2.OwedResponse.SerializeToString),
         "Gather": grpc.unary_unary_rpc_method_handler(
             servicer.Gather,
             request_deserializer=protocol.tolerant_parser(ps_pb2.GatherRequest),

@@ -20,7 +20,10 @@ It owns the locking and wires the concerns together, each in its module:
   the workers' ``resume_step`` when they resume from their own backup, else
   the newest);
 * pulls live here: a Pull sends each partition it names the moment that
-  partition reaches the version asked for (of those ready, the first named).
+  partition reaches the version asked for (of those ready, the first named);
+  ``Owed`` tells how many partitions some workers' pulls still wait for (a
+  worker on this PS's host holds its pushes to other hosts meanwhile:
+  ``prophet_tf/engine/answers_first.py``).
 
 Locks: ``_lock`` (the state: model definition, versions, sums, liveness) and
 the applier's lock (the optimizer and the variables). Where both are held,
@@ -121,6 +124,8 @@ class ParameterServerServicer(KerasRPCs):
         # and may be checkpointed, when all have).
         self._at_version: dict[int, int] = {}
         self._pulls = collections.Counter()  # worker -> pulls in progress
+        # pull -> [worker, min_version, partitions not yet sent]: what Owed reports.
+        self._unsent: dict[object, list[int]] = {}
         self._rejections = RejectionLog()
         self._closed = False
         self._liveness = liveness.Liveness(
@@ -147,6 +152,9 @@ class ParameterServerServicer(KerasRPCs):
     def Heartbeat(self, request, context):
         return self._answer(self._heartbeat, "Heartbeat", request, context)
 
+    def Owed(self, request, context):
+        return self._answer(self._owed, "Owed", request, context)
+
     def Verdict(self, request, context):
         return self._answer(lambda r: self._verdict(r, context), "Verdict", request, context)
 
@@ -171,8 +179,12 @@ class ParameterServerServicer(KerasRPCs):
         except RpcError as e:
             self._rejections.log("Pull", request, e)
             context.abort(e.code, e.message)
+        pull = object()
         try:
             left = list(parts)  # in the order asked: the most urgent first
+            unsent = [request.worker_id, request.min_version, len(left)]
+            with self._lock:
+                self._unsent[pull] = unsent
             while left:
                 try:
                     data = self._next_applied(left, request.min_version, context)
@@ -182,9 +194,13 @@ class ParameterServerServicer(KerasRPCs):
                 if data is None:  # the client went away
                     return
                 yield data
+                # gRPC asks for the next answer once it has taken this one.
+                with self._lock:
+                    unsent[2] = len(left)
         finally:
             with self._lock:
                 self._pulls[request.worker_id] -= 1
+                self._unsent.pop(pull, None)
 
     # -------------------------------------------------------------- Register
 
@@ -430,6 +446,23 @@ class ParameterServerServicer(KerasRPCs):
                     return None
                 self._published.wait(_PULL_POLL_SECONDS if remaining is None
                                      else min(remaining, _PULL_POLL_SECONDS))
+
+    def _owed(self, request):
+        if getattr(request, "malformed", None):
+            raise invalid(f"The request is not an OwedRequest. Received: {request.malformed}")
+        if not 0 <= request.worker_id < self.num_workers:
+            raise invalid(f"worker_id must be in [0, {self.num_workers}). "
+                          f"Received: worker_id={request.worker_id}")
+        if request.max_version < 0:
+            raise invalid(f"max_version must be >= 0. Received: max_version={request.max_version}")
+        workers = set(request.workers)
+        bad = sorted(w for w in workers if not 0 <= w < self.num_workers)
+        if bad:
+            raise invalid(f"workers must be in [0, {self.num_workers}). Received: workers={bad}")
+        with self._lock:
+            owed = sum(n for worker, version, n in self._unsent.values()
+                       if worker in workers and version <= request.max_version)
+        return ps_pb2.OwedResponse(partitions=owed)
 
     # ------------------------------------------------------------- liveness
 

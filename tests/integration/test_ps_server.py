@@ -12,7 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ps_helpers
+from prophet_tf import cluster as cluster_lib
 from prophet_tf.cluster import free_port
+from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.ps import client as ps_client
 from prophet_tf.ps import sharding
 from prophet_tf.ps.v1 import ps_pb2
@@ -259,6 +261,58 @@ def test_pull_waits_for_the_version_then_returns_it(model):
         push_step(model[1], version)
         _, versions = future.result(30)
     assert versions == {version + 1}
+
+
+def _until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(90)
+def test_owed_counts_what_waiting_pulls_were_not_sent_and_holds_answers_first(model, ps2):
+    _, version = current(model)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pulled = pool.submit(pull_all, model[1], version + 1)
+        _until(lambda: model[0].owed(version + 1, [1]) == len(PARTITIONS))
+        assert model[0].owed(version, [1]) == 0  # pulls of newer versions do not count
+        assert model[0].owed(version + 1, [0]) == 0  # nor other workers' pulls
+        # Worker 0 shares a host with this PS; worker 1 and PS 1 are on another.
+        config = cluster_lib.ClusterConfig(
+            workers=("127.0.0.1:1", "127.0.0.2:1"), ps=(ps2.address, "127.0.0.2:2"),
+            task_type="worker", task_index=0)
+        gate = AnswersFirst(config, [model[0], None], threading.Event(), max_wait_s=30)
+        assert (gate.local_ps, gate.other_workers) == ([0], [1])
+        assert gate.applies_to(1) and not gate.applies_to(0)
+        gate.wait(version)  # nothing of version <= `version` is owed: no wait
+        held = pool.submit(gate.wait, version + 1)
+        time.sleep(0.5)
+        assert not held.done()  # PS 0 still owes worker 1 version + 1
+        for c in model:
+            push_step(c, version)
+        _, versions = pulled.result(30)
+        held.result(30)
+    assert versions == {version + 1}
+    assert gate.waited_s >= 0.5
+    _until(lambda: model[0].owed(version + 1, [1]) == 0)
+
+    for kwargs, fragment in [(dict(max_version=-1, workers=[1]), "max_version=-1"),
+                             (dict(max_version=0, workers=[1, 7]), "workers=[7]")]:
+        error = ps_helpers.rpc_error(lambda: model[0].owed(**kwargs, timeout=10))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert fragment in error.details()
+
+
+def test_answers_first_stays_off_on_one_host():
+    local = cluster_lib.ClusterConfig(workers=("127.0.0.1:1", "127.0.0.1:2"),
+                                      ps=("127.0.0.1:3",), task_type="worker", task_index=1)
+    gate = AnswersFirst(local, [None], threading.Event(), max_wait_s=1)
+    assert not gate.active and not gate.applies_to(0)
+    dedicated = cluster_lib.ClusterConfig(workers=("10.0.0.1:1", "10.0.0.2:1"),
+                                          ps=("10.0.0.3:1",), task_type="worker", task_index=0)
+    gate = AnswersFirst(dedicated, [None], threading.Event(), max_wait_s=1)
+    assert not gate.active and gate.local_ps == [] and gate.other_workers == [1]
 
 
 @pytest.mark.timeout(60)

@@ -13,10 +13,21 @@ ran (a scheduler that holds gradients back leaves it idle), and how far the
 workers drift apart: each other worker's start of backprop minus worker 0's,
 per step (median and range). Synchronous workers out of phase load their
 hosts' links in turns, so each link idles while the other is busy.
+
+Then, per measured step, where the workers' start of the next step spreads
+(with a PS on every worker's host): each worker's last parameter of version
+k+1 in, their spread (last minus first), and the PS whose answers ended
+last: how long after the last push into it its answers went on, and how many
+bytes of step k+1 the worker on its host pushed to other PS tasks meanwhile.
+A worker whose parameters are all in starts the next step and pushes; on its
+host's uplink those pushes share the link with its PS's answers to the
+workers still waiting, so the first worker's lead makes the others' wait
+longer.
 """
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -84,6 +95,64 @@ def breakdown(directory: str, worker: int = 0) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
 
 
+def _links(events: list) -> dict:
+    """tid -> (direction, PS index) from the trace's thread names."""
+    out = {}
+    for e in events:
+        if e.get("name") == "thread_name":
+            m = re.match(r"(push|pull) (?:to|from) PS (\d+)$", e["args"]["name"])
+            if m:
+                out[e["tid"]] = (m.group(1), int(m.group(2)))
+    return out
+
+
+def answer_tails(directory: str) -> list[dict]:
+    """Per measured step k: each worker's last parameter of version k+1 in
+    (ms from worker 0's start of backprop k), the spread, and the PS whose
+    answers ended last with its tail and its host worker's step-(k+1) pushes
+    in that tail (MB)."""
+    n = len(glob.glob(os.path.join(directory, "worker-*.json")))
+    events = [_events(directory, w) for w in range(n)]
+    links = [_links(ev) for ev in events]
+    starts = _backward_starts(events[0])
+    rows = []
+    for k in sorted(starts)[WARMUP_STEPS:-1]:
+        push_in, answered, last_in = {}, {}, []
+        for w in range(n):
+            ends = []
+            for e in events[w]:
+                kind = links[w].get(e.get("tid"))
+                if kind is None or e.get("cat") not in ("push", "pull"):
+                    continue
+                end = e["ts"] + e["dur"]
+                ps = kind[1]
+                if kind[0] == "push" and e["args"]["step"] == k:
+                    push_in[ps] = max(push_in.get(ps, end), end)
+                elif kind[0] == "pull" and e["args"]["version"] == k + 1:
+                    answered[ps] = max(answered.get(ps, end), end)
+                    ends.append(end)
+            if ends:
+                last_in.append(max(ends))
+        if len(last_in) < n or not answered:
+            continue
+        ps = max(answered, key=answered.get)
+        a, b = push_in.get(ps, answered[ps]), answered[ps]
+        ahead = 0.0
+        if ps < n:  # the worker on the laggard PS's host (colocated layout)
+            for e in events[ps]:
+                kind = links[ps].get(e.get("tid"))
+                if (kind and e.get("cat") == "push" and kind[1] != ps
+                        and e["args"]["step"] == k + 1):
+                    s, t = e["ts"], e["ts"] + e["dur"]
+                    if t > a and s < b:  # bytes spread evenly over the push
+                        ahead += e["args"]["bytes"] * (min(t, b) - max(s, a)) / max(t - s, 1e-9)
+        t0 = starts[k]
+        rows.append({"step": k, "last_in_ms": [(t - t0) / 1e3 for t in last_in],
+                     "spread_ms": (max(last_in) - min(last_in)) / 1e3, "laggard_ps": ps,
+                     "tail_ms": (b - a) / 1e3, "host_worker_push_mb": ahead / 1e6})
+    return rows
+
+
 def main(argv):
     for pattern in argv:
         for directory in sorted(glob.glob(pattern)):
@@ -95,6 +164,13 @@ def main(argv):
             for w, (median, low, high) in phase_offsets(directory).items():
                 print(f"  worker {w} backprop starts {median:+.1f} ms from worker 0's "
                       f"(median; {low:+.1f} to {high:+.1f})")
+            for r in answer_tails(directory):
+                print(f"  step {r['step']}: parameters in at "
+                      f"{', '.join(f'{t:.0f}' for t in r['last_in_ms'])} ms (spread "
+                      f"{r['spread_ms']:.0f}); PS {r['laggard_ps']} answered "
+                      f"{r['tail_ms']:.0f} ms after its last push in, while worker "
+                      f"{r['laggard_ps']} pushed {r['host_worker_push_mb']:.1f} MB of step "
+                      f"{r['step'] + 1}")
 
 
 if __name__ == "__main__":

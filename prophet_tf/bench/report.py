@@ -13,18 +13,21 @@ Kinds: ``bench`` (a ``prophet-tf bench --json`` result: median step time,
 range, throughput, ratios to FIFO, tf-mwms and the ideal bound), ``suite``
 (a ``prophet-tf bench --suite`` result: one row per cell, each scheduler's
 speedup over FIFO and Prophet's ratios) and ``validate`` (a ``prophet-tf
-simulate --validate --json`` result: measured against predicted). Paths are relative to the Markdown file. The tests run
+simulate --validate --json`` result: measured against predicted) and
+``runs`` (a glob of bench results of one configuration, e.g. a setting on
+and off: a row per run and scheduler). Paths are relative to the Markdown file. The tests run
 ``--check`` on the README, so a table can never drift from its data.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
 import sys
 
-__all__ = ["bench_table", "suite_table", "validate_table", "render", "main"]
+__all__ = ["bench_table", "runs_table", "suite_table", "validate_table", "render", "main"]
 
 _BLOCK = re.compile(r"(<!-- table: (\w+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
@@ -57,19 +60,60 @@ def bench_table(result: dict) -> str:
             f"| {r['scheduler']} | {_ms(step)} ms | {_ms(min(r['step_time_s_all']))}–"
             f"{_ms(max(r['step_time_s_all']))} | {r['samples_per_s']:.1f} | {ratios[0]} | "
             f"{ratios[1]} | {vs_ideal} | {busy} |")
+    lines.append("")
+    lines.append(_caption(config, _count(len(rows[0]["step_time_s_all"]), "run")))
+    return "\n".join(lines) + "\n"
+
+
+def _caption(config: dict, runs: str) -> str:
+    ideal = config["ideal"]
     layout = config.get("layout", "dedicated")
     scale = config.get("time_scale", 1.0)
-    lines.append("")
-    lines.append(
+    return (
         f"{config['model']}, {config['workers']} workers, {config['ps']} PS ({layout}), "
         f"{config['bandwidth_mbit']:g} Mbit/s"
         + (f" at time scale {scale:g} (links {config['link_mbit']:g} Mbit/s, compute "
            f"×{scale:g}; step times as measured)" if scale != 1 else "")
-        + f", {_count(len(rows[0]['step_time_s_all']), 'run')} of "
+        + f", {runs} of "
         f"{config['steps']} steps; compute {_ms(config['compute_s'])} ms; ideal "
         f"{_ms(ideal['ideal_s'])} ms = max(compute {_ms(ideal['compute_s'])}, busiest link "
         f"{_ms(ideal['busiest_link_s'])}"
         + (f", critical chain {_ms(ideal['chain_s'])}" if "chain_s" in ideal else "") + ").")
+
+
+#: What may differ between the runs of one ``runs`` table.
+_RUN_SETTINGS = ("answers_first", "bytescheduler_search", "scheduler_settings")
+
+
+def runs_table(runs: list[tuple[str, dict]]) -> str:
+    """Markdown lines for several bench results of one configuration (named
+    by their files, e.g. side-by-side runs of a setting), a row per run and
+    scheduler.
+
+    Raises:
+      ValueError: runs of different configurations.
+    """
+    def setup(config):
+        return {k: v for k, v in config.items()
+                if k not in _RUN_SETTINGS and k not in ("profile", "compute_s_all")}
+    first = setup(runs[0][1]["config"])
+    for name, result in runs[1:]:
+        if setup(result["config"]) != first:
+            differ = sorted(k for k in set(first) | set(setup(result["config"]))
+                            if first.get(k) != result["config"].get(k))
+            raise ValueError(f"a runs table needs runs of one configuration. Received: "
+                             f"{name} differs from {runs[0][0]} in {differ}")
+    lines = ["| run | scheduler | step time | vs ideal | CPU busy |", "|---|---|---|---|---|"]
+    for name, result in runs:
+        for r in result["results"]:
+            busy = r.get("cpu_busy")
+            busy = f"{sum(busy.values()):.2f}" if busy else "–"
+            vs_ideal = ("–" if r["scheduler"] == "tf-mwms"
+                        else f"{r['step_time_s'] / r['ideal_step_time_s']:.2f}")
+            lines.append(f"| {os.path.splitext(name)[0]} | {r['scheduler']} | "
+                         f"{_ms(r['step_time_s'])} ms | {vs_ideal} | {busy} |")
+    lines.append("")
+    lines.append(_caption(runs[0][1]["config"], f"{_count(len(runs), 'run')} of 1 rep each"))
     return "\n".join(lines) + "\n"
 
 
@@ -117,7 +161,8 @@ def validate_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-_KINDS = {"bench": bench_table, "suite": suite_table, "validate": validate_table}
+_KINDS = {"bench": bench_table, "suite": suite_table, "validate": validate_table,
+          "runs": runs_table}
 
 
 def render(markdown: str, base: str) -> str:
@@ -131,8 +176,17 @@ def render(markdown: str, base: str) -> str:
         if kind not in _KINDS:
             raise ValueError(f"unknown table kind; valid: {', '.join(_KINDS)}. "
                              f"Received: {kind!r} for {path}")
-        with open(os.path.join(base, path)) as f:
-            data = json.load(f)
+        if kind == "runs":  # a glob: several files, in name order
+            paths = sorted(glob.glob(os.path.join(base, path)))
+            if not paths:
+                raise FileNotFoundError(f"no file matches {path}")
+            data = []
+            for p in paths:
+                with open(p) as f:
+                    data.append((os.path.basename(p), json.load(f)))
+        else:
+            with open(os.path.join(base, path)) as f:
+                data = json.load(f)
         return match.group(1) + _KINDS[kind](data) + match.group(5)
     return _BLOCK.sub(one, markdown)
 

@@ -66,3 +66,32 @@ def test_bad_markers_name_what_was_received(tmp_path):
     assert report.main([str(md)]) == 2
     md.write_text("<!-- table: bench missing.json -->\n<!-- end table -->\n")
     assert report.main([str(md), "--check"]) == 2
+
+
+def test_a_runs_table_has_a_row_per_run_and_scheduler_of_one_configuration(tmp_path):
+    config = {"model": "resnet50", "workers": 4, "ps": 4, "layout": "colocated",
+              "bandwidth_mbit": 3000.0, "steps": 12, "compute_s": 2.16, "time_scale": 24.0,
+              "link_mbit": 125.0, "ideal": {"ideal_s": 10.0, "compute_s": 2.16,
+                                            "busiest_link_s": 9.9}}
+    for name, step, first in [("ab-off-1", 13.5, None), ("ab-on-1", 12.1, True)]:
+        result = {"config": dict(config, **({} if first is None else {"answers_first": first})),
+                  "results": [{"scheduler": "prophet", "step_time_s": step,
+                               "step_time_s_all": [step], "ideal_step_time_s": 10.0,
+                               "cpu_busy": {"ps0": 0.25, "worker0": 0.75}}]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    md = tmp_path / "doc.md"
+    md.write_text("<!-- table: runs ab-*.json -->\n<!-- end table -->\n")
+    assert report.main([str(md)]) == 0
+    text = md.read_text()
+    assert "| ab-off-1 | prophet | 13500.0 ms | 1.35 | 1.00 |\n" \
+        "| ab-on-1 | prophet | 12100.0 ms | 1.21 | 1.00 |" in text
+    assert "2 runs of 1 rep each of 12 steps" in text
+    # Runs of another configuration cannot share the table; the message names the field.
+    other = json.loads((tmp_path / "ab-on-1.json").read_text())
+    other["config"]["workers"] = 2
+    (tmp_path / "ab-on-1.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError,
+                       match=r"ab-on-1.json differs from ab-off-1.json in \['workers'\]"):
+        report.render(md.read_text(), str(tmp_path))
+    md.write_text("<!-- table: runs none-*.json -->\n<!-- end table -->\n")
+    assert report.main([str(md), "--check"]) == 2

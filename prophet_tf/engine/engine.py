@@ -9,7 +9,9 @@ AwaitParam fails with the message instead of hanging):
   its link's sender.
 - one sender per PS task: pushes each block it is handed as one asynchronous
   RPC, at once (the dispatch's window bounds what is in flight); a finished
-  push tells the dispatch (`on_sent`), which may release more.
+  push tells the dispatch (`on_sent`), which may release more. To a PS on
+  another host, a step's pushes wait while a PS on this host still
+  owes that version to the other hosts' workers (answers_first.py).
 - one puller per PS task: streams the task's partitions of a version as the
   PS applies them and delivers each parameter once all its partitions are in.
 

@@ -189,6 +189,11 @@ def _from_dict(config: Any, source: str) -> ClusterConfig:
                          task_index=index, evaluators=tuple(evaluators))
 
 
+def address_host(address: str) -> str:
+    """The host of a task's "host:port" address."""
+    return address.rpartition(":")[0]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port of `host` that nothing listens on now (the OS picks it: bind to port 0).
 

@@ -81,8 +81,9 @@ def _caption(config: dict, runs: str) -> str:
         + (f", critical chain {_ms(ideal['chain_s'])}" if "chain_s" in ideal else "") + ").")
 
 
-#: What may differ between the runs of one ``runs`` table.
-_RUN_SETTINGS = ("answers_first", "bytescheduler_search", "scheduler_settings")
+#: What may differ between the runs of one ``runs`` table (the bench records
+#: it only since it exists).
+_RUN_SETTINGS = ("answers_first",)
 
 
 def runs_table(runs: list[tuple[str, dict]]) -> str:
@@ -94,8 +95,7 @@ def runs_table(runs: list[tuple[str, dict]]) -> str:
       ValueError: runs of different configurations.
     """
     def setup(config):
-        return {k: v for k, v in config.items()
-                if k not in _RUN_SETTINGS and k not in ("profile", "compute_s_all")}
+        return {k: v for k, v in config.items() if k not in _RUN_SETTINGS}
     first = setup(runs[0][1]["config"])
     for name, result in runs[1:]:
         if setup(result["config"]) != first:

@@ -28,14 +28,9 @@ from typing import Sequence
 
 from prophet_tf import cluster as cluster_lib
 
-__all__ = ["AnswersFirst", "host_of"]
+__all__ = ["AnswersFirst"]
 
 logger = logging.getLogger(__name__)
-
-
-def host_of(address: str) -> str:
-    """The host of a "host:port" address."""
-    return address.rpartition(":")[0]
 
 
 class AnswersFirst:
@@ -54,6 +49,7 @@ class AnswersFirst:
 
     def __init__(self, config: cluster_lib.ClusterConfig, clients: Sequence,
                  stop: threading.Event, max_wait_s: float):
+        host_of = cluster_lib.address_host
         host = host_of(config.workers[config.task_index])
         self.local_ps = [i for i, a in enumerate(config.ps) if host_of(a) == host]
         self.other_workers = [w for w, a in enumerate(config.workers) if host_of(a) != host]

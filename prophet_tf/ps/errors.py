@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-__all__ = ["RpcError", "invalid", "precondition", "short", "RejectionLog"]
+__all__ = ["RpcError", "check_sender", "invalid", "precondition", "short", "RejectionLog"]
 
 # Rejections are logged as the servicer's: one logger for what the RPCs answered.
 logger = logging.getLogger("prophet_tf.ps.servicer")
@@ -33,6 +33,17 @@ def invalid(message: str) -> RpcError:
 
 def precondition(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def check_sender(request, expected: str, num_workers: int) -> None:
+    """Rejects (INVALID_ARGUMENT) a request whose bytes did not parse as
+    ``expected`` ("a PullRequest"; protocol.py marks it ``malformed``) or
+    that names a worker_id outside [0, num_workers)."""
+    if getattr(request, "malformed", None):
+        raise invalid(f"The request is not {expected}. Received: {request.malformed}")
+    if not 0 <= request.worker_id < num_workers:
+        raise invalid(f"worker_id must be in [0, {num_workers}). "
+                      f"Received: worker_id={request.worker_id}")
 
 
 def short(value) -> str:

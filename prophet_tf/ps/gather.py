@@ -16,7 +16,7 @@ from typing import Callable
 
 import grpc
 
-from prophet_tf.ps.errors import RpcError, invalid
+from prophet_tf.ps.errors import RpcError, check_sender, invalid
 
 __all__ = ["Gatherer", "MAX_OPEN_ROUNDS"]
 
@@ -65,12 +65,8 @@ class Gatherer:
                 twice, too many open rounds, the job failed, or the call's
                 deadline passed first.
         """
-        if getattr(request, "malformed", None):  # bytes that did not parse (protocol.py)
-            raise invalid(f"The request is not a GatherRequest. Received: {request.malformed}")
+        check_sender(request, "a GatherRequest", self.num_workers)
         worker_id, round_id, payload = request.worker_id, request.round, request.payload
-        if not 0 <= worker_id < self.num_workers:
-            raise invalid(f"worker_id must be in [0, {self.num_workers}). "
-                          f"Received: worker_id={worker_id}")
         if round_id < 0:
             raise invalid(f"round must be >= 0. Received: round={round_id}")
         with self._cond:

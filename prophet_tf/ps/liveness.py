@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from prophet_tf.ps.errors import invalid
+from prophet_tf.ps.errors import check_sender, invalid
 
 __all__ = ["Liveness", "check_heartbeat"]
 
@@ -26,11 +26,7 @@ logger = logging.getLogger("prophet_tf.ps.servicer")  # the PS task's one logger
 
 def check_heartbeat(request, num_workers: int) -> None:
     """Rejects a malformed HeartbeatRequest (INVALID_ARGUMENT)."""
-    if getattr(request, "malformed", None):  # bytes that did not parse (protocol.py)
-        raise invalid(f"The request is not a HeartbeatRequest. Received: {request.malformed}")
-    wid = request.worker_id
-    if not 0 <= wid < num_workers:
-        raise invalid(f"worker_id must be in [0, {num_workers}). Received: worker_id={wid}")
+    check_sender(request, "a HeartbeatRequest", num_workers)
     if request.steps_pushed < 0:
         raise invalid(f"steps_pushed must be >= 0. Received: steps_pushed={request.steps_pushed}")
 

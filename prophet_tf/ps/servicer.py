@@ -43,7 +43,7 @@ from prophet_tf.ps import (aggregation, apply, gather, liveness, protocol, regis
                            verdicts)
 from prophet_tf.ps.keras_rpcs import KerasRPCs
 from prophet_tf.ps import checkpoint as checkpoint_lib
-from prophet_tf.ps.errors import RejectionLog, RpcError, invalid, precondition
+from prophet_tf.ps.errors import RejectionLog, RpcError, check_sender, invalid, precondition
 from prophet_tf.ps.v1 import ps_pb2
 
 __all__ = ["ParameterServerServicer", "MAX_PULLS_PER_WORKER"]
@@ -391,11 +391,7 @@ class ParameterServerServicer(KerasRPCs):
             self._pulls[worker_id] += 1
 
     def _pull_targets(self, request):
-        if getattr(request, "malformed", None):  # bytes that did not parse (protocol.py)
-            raise invalid(f"The request is not a PullRequest. Received: {request.malformed}")
-        if not 0 <= request.worker_id < self.num_workers:
-            raise invalid(f"worker_id must be in [0, {self.num_workers}). "
-                          f"Received: worker_id={request.worker_id}")
+        check_sender(request, "a PullRequest", self.num_workers)
         if request.min_version < 0:
             raise invalid(f"min_version must be >= 0. Received: min_version={request.min_version}")
         with self._lock:
@@ -448,11 +444,7 @@ class ParameterServerServicer(KerasRPCs):
                                      else min(remaining, _PULL_POLL_SECONDS))
 
     def _owed(self, request):
-        if getattr(request, "malformed", None):
-            raise invalid(f"The request is not an OwedRequest. Received: {request.malformed}")
-        if not 0 <= request.worker_id < self.num_workers:
-            raise invalid(f"worker_id must be in [0, {self.num_workers}). "
-                          f"Received: worker_id={request.worker_id}")
+        check_sender(request, "an OwedRequest", self.num_workers)
         if request.max_version < 0:
             raise invalid(f"max_version must be >= 0. Received: max_version={request.max_version}")
         workers = set(request.workers)

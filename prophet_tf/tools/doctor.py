@@ -168,8 +168,9 @@ def _check_ps(index: int, address: str, timeout_s: float) -> Check:
 
 def _exposed(addresses: list[str]) -> list[str]:
     """The addresses whose host is not a loopback address."""
+    from prophet_tf import cluster as cluster_lib
     from prophet_tf.ps import security
-    return [a for a in addresses if not security.is_loopback(a.rpartition(":")[0])]
+    return [a for a in addresses if not security.is_loopback(cluster_lib.address_host(a))]
 
 
 def check_token(ps_addresses: list[str]) -> Check:

@@ -1,6 +1,6 @@
 """Where a bench run's step time goes, read from the worker timelines.
 
-    python benchmarks/timeline_breakdown.py DIR [DIR ...]
+    python benchmarks/timeline_breakdown.py [--json OUT] DIR [DIR ...]
 
 DIR is a run directory under ``prophet-tf bench --timeline-dir`` (it holds
 ``worker-<i>.json``). For worker 0, for every measured step k (after the
@@ -154,8 +154,18 @@ def answer_tails(directory: str) -> list[dict]:
 
 
 def main(argv):
+    """Prints each run's breakdown; with ``--json OUT`` also writes each run's
+    per-step answer tails (keyed "<cell directory>/<run directory>"), so the
+    figures drawn from timelines too large to commit are kept."""
+    out = None
+    if argv[:1] == ["--json"]:
+        out, argv = argv[1], argv[2:]
+    tails = {}
     for pattern in argv:
         for directory in sorted(glob.glob(pattern)):
+            path = os.path.normpath(directory)
+            tails[os.path.join(os.path.basename(os.path.dirname(path)),
+                               os.path.basename(path))] = answer_tails(directory)
             b = breakdown(directory)
             if b:
                 print(os.path.basename(directory.rstrip("/")) + ": " + ", ".join(
@@ -164,13 +174,17 @@ def main(argv):
             for w, (median, low, high) in phase_offsets(directory).items():
                 print(f"  worker {w} backprop starts {median:+.1f} ms from worker 0's "
                       f"(median; {low:+.1f} to {high:+.1f})")
-            for r in answer_tails(directory):
+            for r in tails[next(reversed(tails))]:
                 print(f"  step {r['step']}: parameters in at "
                       f"{', '.join(f'{t:.0f}' for t in r['last_in_ms'])} ms (spread "
                       f"{r['spread_ms']:.0f}); PS {r['laggard_ps']} answered "
                       f"{r['tail_ms']:.0f} ms after its last push in, while worker "
                       f"{r['laggard_ps']} pushed {r['host_worker_push_mb']:.1f} MB of step "
                       f"{r['step'] + 1}")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"command": "python benchmarks/timeline_breakdown.py --json OUT "
+                                  + " ".join(argv), "answer_tails": tails}, f, indent=1)
 
 
 if __name__ == "__main__":

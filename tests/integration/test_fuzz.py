@@ -145,6 +145,11 @@ def heartbeat_bytes(worker_id, steps_pushed=0, leaving=False) -> bytes:
     return f_varint(1, worker_id) + f_varint(2, steps_pushed) + f_varint(3, int(leaving))
 
 
+def owed_bytes(worker_id, max_version, workers=()) -> bytes:
+    return (f_varint(1, worker_id) + f_varint(2, max_version)
+            + b"".join(f_varint(3, w) for w in workers))
+
+
 # ------------------------------------------------------------------ the model
 
 def initial_values():
@@ -211,7 +216,7 @@ def possibly_valid(method, payload, state) -> bool | str:
     """False: malformed. True: valid. "future": a valid pull of a later version."""
     message = {"Push": ps_pb2.PushRequest, "Pull": ps_pb2.PullRequest,
                "Register": ps_pb2.RegisterRequest,
-               "Heartbeat": ps_pb2.HeartbeatRequest}[method]()
+               "Heartbeat": ps_pb2.HeartbeatRequest, "Owed": ps_pb2.OwedRequest}[method]()
     try:
         message.ParseFromString(payload)
     except DecodeError:
@@ -245,6 +250,9 @@ def possibly_valid(method, payload, state) -> bool | str:
         return "future" if message.min_version > v and message.items else True
     if method == "Heartbeat":
         return 0 <= message.worker_id < W and message.steps_pushed >= 0
+    if method == "Owed":
+        return (0 <= message.worker_id < W and message.max_version >= 0
+                and all(0 <= w < W for w in message.workers))
     # Register: anything that could pass the PS's own checks.
     if message.num_workers != W or not 0 <= message.worker_id < W:
         return False
@@ -307,13 +315,13 @@ class Fuzzer:
 
     # -- families
     def random_bytes(self):
-        method = self.rng.choice(("Register", "Push", "Pull", "Heartbeat"))
+        method = self.rng.choice(("Register", "Push", "Pull", "Heartbeat", "Owed"))
         limit = 65536 if self.rng.random() < 0.02 else 512
         return Case("random-bytes", method, self.garbage(limit))
 
     def mutated(self):
         r = self.rng
-        method = r.choice(("Register", "Push", "Pull", "Heartbeat"))
+        method = r.choice(("Register", "Push", "Pull", "Heartbeat", "Owed"))
         v = self.state.version
         template = {
             "Push": lambda: push_bytes(r.randrange(W), [self.good_chunk(step=r.choice(
@@ -321,6 +329,7 @@ class Fuzzer:
             "Pull": lambda: pull_bytes(r.randrange(W), [(p.key, p.partition) for p in OWNED], v),
             "Register": lambda: register_bytes(worker_id=r.randrange(W)),
             "Heartbeat": lambda: heartbeat_bytes(r.randrange(W), v),
+            "Owed": lambda: owed_bytes(r.randrange(W), v, range(W)),
         }[method]()
         data = bytearray(template)
         for _ in range(r.randint(1, 4)):
@@ -549,6 +558,19 @@ class Fuzzer:
         return Case("heartbeat/steps", "Heartbeat",
                     heartbeat_bytes(r.randrange(W), r.choice((-1, -2**63)), r.random() < 0.5))
 
+    def owed(self):
+        r = self.rng
+        kind = r.randrange(3)
+        if kind == 0:
+            return Case("owed/worker_id", "Owed",
+                        owed_bytes(self.bad_int(INT32 + (W,)), 0, range(W)))
+        if kind == 1:
+            return Case("owed/max_version", "Owed",
+                        owed_bytes(r.randrange(W), r.choice((-1, -2**63)), range(W)))
+        workers = [r.randrange(W) for _ in range(r.randrange(4))]
+        workers.insert(r.randrange(len(workers) + 1), self.bad_int(INT32 + (W,)))
+        return Case("owed/workers", "Owed", owed_bytes(r.randrange(W), 0, workers))
+
     def raw(self, port):
         r = self.rng
         kind = r.randrange(8)
@@ -579,7 +601,7 @@ class Fuzzer:
             return Case("raw/hpack", None, H2_PREFACE + h2_frame(4, 0, 0)
                         + h2_frame(1, 5, 1, r.randbytes(r.randrange(1, 80))))
         # a well-framed gRPC call whose message length prefix lies
-        method = r.choice(("Push", "Register", "Pull", "Heartbeat"))
+        method = r.choice(("Push", "Register", "Pull", "Heartbeat", "Owed"))
         claim = r.choice((2**32 - 1, 2**31, 2**26 + 1, 1000))
         body = struct.pack(">BI", 0, claim) + r.randbytes(r.randrange(32))
         if r.random() < 0.3:
@@ -755,7 +777,7 @@ def run_fuzz(start_ps, total, seed):
         sent = 0
         while sent < max(100, total // 20):
             case = rng.choice((lambda: fuzzer.register(fresh=True), fuzzer.push, fuzzer.pull,
-                               fuzzer.heartbeat))()
+                               fuzzer.heartbeat, fuzzer.owed))()
             result = fire(case)
             if result:
                 counts[result] += 1
@@ -781,6 +803,7 @@ def run_fuzz(start_ps, total, seed):
         # 3. The fuzz, on 4 threads: gRPC calls, raw connections, valid probes.
         families = ((fuzzer.random_bytes, 20), (fuzzer.mutated, 25), (fuzzer.push, 30),
                     (fuzzer.pull, 8), (fuzzer.register, 6), (fuzzer.heartbeat, 3),
+                    (fuzzer.owed, 3),
                     (lambda: fuzzer.raw(ps.port), 8))
         makers = [m for m, weight in families for _ in range(weight)]
         lock = threading.Lock()
@@ -919,7 +942,7 @@ def undecodable(rng, method, n):
                 out.append(data)
             continue
         message = {"Register": ps_pb2.RegisterRequest, "Pull": ps_pb2.PullRequest,
-                   "Heartbeat": ps_pb2.HeartbeatRequest}[method]()
+                   "Heartbeat": ps_pb2.HeartbeatRequest, "Owed": ps_pb2.OwedRequest}[method]()
         with contextlib.suppress(DecodeError):
             message.ParseFromString(data)
             continue
@@ -960,10 +983,10 @@ def test_undecodable_pushes_do_not_leak(bare_ps):
 
 
 @pytest.mark.timeout(240)
-def test_undecodable_register_pull_heartbeat_do_not_leak(bare_ps):
+def test_undecodable_register_pull_heartbeat_owed_do_not_leak(bare_ps):
     """gRPC Python leaks per request whose deserializer raises; protocol.py's never do."""
     rng = random.Random(2)
-    growth = rss_growth(bare_ps, [(m, undecodable(rng, m, 1833))
-                                  for m in ("Register", "Pull", "Heartbeat")])
-    print(f"VmRSS growth over 4000 undecodable Register/Pull/Heartbeat: {growth:.1f} MB")
+    growth = rss_growth(bare_ps, [(m, undecodable(rng, m, 1500))
+                                  for m in ("Register", "Pull", "Heartbeat", "Owed")])
+    print(f"VmRSS growth over 4000 undecodable Register/Pull/Heartbeat/Owed: {growth:.1f} MB")
     assert growth < LEAK_BOUND_MB

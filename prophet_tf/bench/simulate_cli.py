@@ -126,8 +126,8 @@ def validate(bench: dict, profile: dict,
     """Predicted vs measured step time per scheduler of a bench JSON.
 
     Each message costs what the run measured: from its timelines when
-    ``timeline_dir`` (the run's ``--timeline-dir``) is given, else its JSON's
-    ``message_costs``; without either, ``rpc_overhead_s``.
+    ``timeline_dir`` (the run's ``--timeline-dir``) holds them, else its
+    JSON's ``message_costs``; without either, ``rpc_overhead_s``.
     """
     config = bench["config"]
     profile = config.get("profile", profile)  # measured in the bench itself
@@ -136,12 +136,14 @@ def validate(bench: dict, profile: dict,
         if r["scheduler"].partition(":")[0] not in schedulers_lib.SCHEDULERS:
             continue  # tf-mwms: not a PS scheduler
         name, options = schedulers_lib.parse_scheduler(r["scheduler"])
-        costs = r.get("message_costs")
-        if timeline_dir:
-            costs = message_costs.combine([
-                message_costs.measure(d, config["workers"], config["ps"],
-                                      config.get("layout", "dedicated"), config["warmup_steps"])
-                for d in sorted(glob.glob(os.path.join(timeline_dir, r["scheduler"] + "-*")))])
+        runs = sorted(glob.glob(os.path.join(timeline_dir, r["scheduler"] + "-*"))) \
+            if timeline_dir else []
+        # A suite resumed in another --timeline-dir has no timelines for its
+        # earlier cells: those keep the costs their JSON recorded.
+        costs = message_costs.combine([
+            message_costs.measure(d, config["workers"], config["ps"],
+                                  config.get("layout", "dedicated"), config["warmup_steps"])
+            for d in runs]) or r.get("message_costs")
         costs = costs or {"overhead_s": rpc_overhead_s, "per_byte_s": 0.0, "messages": 0}
         # The options the run used: those its spec gave, and ByteScheduler's
         # tuned ones, which the run records with every effective setting.

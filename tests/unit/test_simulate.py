@@ -289,3 +289,18 @@ def test_validate_simulates_each_run_with_the_options_it_ran():
     # Its window of 20 slices, not p3's default 2, was simulated.
     assert rows["p3:slices_in_flight=20"]["predicted_s"] != rows["p3"]["predicted_s"]
     assert rows["prophet:blocks_in_flight=8"]["predicted_s"] != rows["prophet"]["predicted_s"]
+
+
+@pytest.mark.timeout(120)
+def test_validate_keeps_recorded_costs_where_the_timeline_dir_has_no_runs(tmp_path):
+    """A suite resumed with another --timeline-dir: the cells whose timelines
+    are not there are simulated with the message costs their JSON recorded,
+    not with the default overhead."""
+    from prophet_tf.bench import simulate_cli
+    root = pathlib.Path(__file__).resolve().parents[2]
+    bench = json.loads((root / "benchmarks" / "window-cnn-emulated.json").read_text())
+    recorded = simulate_cli.validate(bench, None)
+    empty = simulate_cli.validate(bench, None, timeline_dir=str(tmp_path))
+    assert [r["message_costs"] for r in empty] == [r["message_costs"] for r in recorded]
+    assert [r["predicted_s"] for r in empty] == [r["predicted_s"] for r in recorded]
+    assert all(r["message_costs"]["messages"] > 0 for r in recorded)

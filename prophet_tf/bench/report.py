@@ -129,21 +129,25 @@ def suite_table(result: dict) -> str:
         return "–" if x is None else f"{x:.2f}"
     lines = ["| model | workers | Gbit/s | FIFO step | "
              + " | ".join(f"{n} vs FIFO" for n in names)
-             + " | Prophet / tf-mwms | Prophet / best of P3, BS | Prophet / ideal |",
-             "|---|---|---|---|" + "---|" * (len(names) + 3)]
+             + " | Prophet / tf-mwms | Prophet / best of P3, BS | Prophet / ideal"
+             " | answers first |",
+             "|---|---|---|---|" + "---|" * (len(names) + 4)]
+    setting = {True: "on", False: "off", None: "–"}
     for r in rows:
         fifo = r["cluster_step_s"].get("fifo")
         lines.append(f"| {r['model']} | {r['workers']} | {r['bandwidth_mbit'] / 1e3:g} | "
                      f"{'–' if fifo is None else _ms(fifo) + ' ms'} | "
                      + " | ".join(f"{f(r['speedup_vs_fifo'].get(n))}×" for n in names)
                      + f" | {f(r['prophet_vs_tf_mwms'])} | {f(r['prophet_vs_rival'])} | "
-                       f"{f(r['prophet_vs_ideal'])} |")
+                       f"{f(r['prophet_vs_ideal'])} | {setting[r['answers_first']]} |")
     d = result["suite"]
     lines.append("")
     lines.append(f"{len(rows)} of {len(suite_lib.cells(suite_lib.Suite.from_json(d)))} "
                  f"cells{'' if result.get('complete') else ' (incomplete)'}; "
                  f"{d['steps']} steps per run ({d['reps']} run per scheduler and cell), step "
-                 f"times at the cluster's scale (measured / time scale).")
+                 f"times at the cluster's scale (measured / time scale)"
+                 + ("; answers first –: run before the bench recorded the setting."
+                    if any(r["answers_first"] is None for r in rows) else "."))
     return "\n".join(lines) + "\n"
 
 

@@ -182,7 +182,9 @@ def run_suite(name: str, json_path: str | None, timeline_dir: str | None = None,
 def summary(result: dict) -> list[dict]:
     """Per cell: every scheduler's step at the cluster's scale, its speedup
     over FIFO, and Prophet's ratios to tf-mwms, to the better of P3 and
-    ByteScheduler, and to the ideal bound (None where a run is missing)."""
+    ByteScheduler, and to the ideal bound (None where a run is missing), and
+    whether the cell ran with answers first (None: run before the bench
+    recorded it)."""
     rows = []
     for c in result["cells"]:
         step = {r["scheduler"]: r["step_time_s"] for r in c["results"]}
@@ -196,5 +198,6 @@ def summary(result: dict) -> list[dict]:
                      "speedup_vs_fifo": {s: ratio(step.get("fifo"), t) for s, t in step.items()},
                      "prophet_vs_tf_mwms": ratio(prophet, step.get("tf-mwms")),
                      "prophet_vs_rival": ratio(prophet, rival),
-                     "prophet_vs_ideal": ratio(prophet, c["config"]["ideal"]["ideal_s"])})
+                     "prophet_vs_ideal": ratio(prophet, c["config"]["ideal"]["ideal_s"]),
+                     "answers_first": c["config"].get("answers_first")})
     return rows

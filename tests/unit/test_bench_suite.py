@@ -90,8 +90,14 @@ def test_suite_plot_and_table(tmp_path):
     table = report.suite_table(result)
     first = suite.cells(suite.SUITES["paper"])[0]
     assert (f"| {first['model']} | {first['workers']} | {first['bandwidth_mbit'] / 1e3:g} | "
-            f"200.0 ms | 1.60× | 1.33× | 2.00× | 1.25× | 0.62 | 0.80 | 2.00 |") in table
+            f"200.0 ms | 1.60× | 1.33× | 2.00× | 1.25× | 0.62 | 0.80 | 2.00 | – |") in table
     assert "2 of 12 cells (incomplete)" in table
+    assert "answers first –: run before the bench recorded the setting" in table
+    # A cell that recorded the setting shows it; with every cell recorded, no footnote.
+    for c, on in zip(result["cells"], (True, False)):
+        c["config"]["answers_first"] = on
+    table = report.suite_table(result)
+    assert "| 2.00 | on |" in table and "| 2.00 | off |" in table and "–: run" not in table
 
 
 def test_a_suite_without_fifo_is_refused(tmp_path, capsys):

@@ -66,6 +66,11 @@ PLAN = sharding.plan(SPECS, NUM_PS, LIMIT)
 OWNED = sharding.owned_by(PLAN, 0)
 OTHER = sharding.owned_by(PLAN, 1)
 BY_ID = {(p.key, p.partition): p for p in PLAN}
+# The RPCs under fuzz and the message each takes.
+REQUESTS = {"Register": ps_pb2.RegisterRequest, "Push": ps_pb2.PushRequest,
+            "Pull": ps_pb2.PullRequest, "Heartbeat": ps_pb2.HeartbeatRequest,
+            "Owed": ps_pb2.OwedRequest}
+METHODS = tuple(REQUESTS)
 SGD1 = json.dumps({"module": "keras.optimizers", "class_name": "SGD",
                    "config": {"name": "SGD", "learning_rate": 1.0}, "registered_name": None})
 
@@ -214,9 +219,7 @@ class State:
 
 def possibly_valid(method, payload, state) -> bool | str:
     """False: malformed. True: valid. "future": a valid pull of a later version."""
-    message = {"Push": ps_pb2.PushRequest, "Pull": ps_pb2.PullRequest,
-               "Register": ps_pb2.RegisterRequest,
-               "Heartbeat": ps_pb2.HeartbeatRequest, "Owed": ps_pb2.OwedRequest}[method]()
+    message = REQUESTS[method]()
     try:
         message.ParseFromString(payload)
     except DecodeError:
@@ -315,13 +318,13 @@ class Fuzzer:
 
     # -- families
     def random_bytes(self):
-        method = self.rng.choice(("Register", "Push", "Pull", "Heartbeat", "Owed"))
+        method = self.rng.choice(METHODS)
         limit = 65536 if self.rng.random() < 0.02 else 512
         return Case("random-bytes", method, self.garbage(limit))
 
     def mutated(self):
         r = self.rng
-        method = r.choice(("Register", "Push", "Pull", "Heartbeat", "Owed"))
+        method = r.choice(METHODS)
         v = self.state.version
         template = {
             "Push": lambda: push_bytes(r.randrange(W), [self.good_chunk(step=r.choice(
@@ -601,7 +604,7 @@ class Fuzzer:
             return Case("raw/hpack", None, H2_PREFACE + h2_frame(4, 0, 0)
                         + h2_frame(1, 5, 1, r.randbytes(r.randrange(1, 80))))
         # a well-framed gRPC call whose message length prefix lies
-        method = r.choice(("Push", "Register", "Pull", "Heartbeat", "Owed"))
+        method = r.choice(METHODS)
         claim = r.choice((2**32 - 1, 2**31, 2**26 + 1, 1000))
         body = struct.pack(">BI", 0, claim) + r.randbytes(r.randrange(32))
         if r.random() < 0.3:
@@ -941,8 +944,7 @@ def undecodable(rng, method, n):
             if protocol.parse_push_request(data).malformed:
                 out.append(data)
             continue
-        message = {"Register": ps_pb2.RegisterRequest, "Pull": ps_pb2.PullRequest,
-                   "Heartbeat": ps_pb2.HeartbeatRequest, "Owed": ps_pb2.OwedRequest}[method]()
+        message = REQUESTS[method]()
         with contextlib.suppress(DecodeError):
             message.ParseFromString(data)
             continue
@@ -987,6 +989,6 @@ def test_undecodable_register_pull_heartbeat_owed_do_not_leak(bare_ps):
     """gRPC Python leaks per request whose deserializer raises; protocol.py's never do."""
     rng = random.Random(2)
     growth = rss_growth(bare_ps, [(m, undecodable(rng, m, 1500))
-                                  for m in ("Register", "Pull", "Heartbeat", "Owed")])
+                                  for m in METHODS if m != "Push"])
     print(f"VmRSS growth over 4000 undecodable Register/Pull/Heartbeat/Owed: {growth:.1f} MB")
     assert growth < LEAK_BOUND_MB

@@ -94,11 +94,14 @@ REGISTER_OP("AwaitParam")
 // and no CPU meanwhile: emulates a device computing while the host is free.
 // Stateful so that it is never pruned, merged or folded; its Python wrapper
 // exempts it from ACD's program-order chain (prophet_tf/bench/emulation.py).
+// With hide_launch_gap it starts from the emulated device's clock, not from
+// when the host got to it (emulated_clock.h).
 REGISTER_OP("EmulatedDelay")
     .Input("input: T")
     .Input("seconds: float")
     .Output("output: T")
     .Attr("T: type")
+    .Attr("hide_launch_gap: bool = false")
     .SetIsStateful()
     .SetShapeFn(PassThroughShape);
 

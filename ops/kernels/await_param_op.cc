@@ -1,6 +1,9 @@
 // AwaitParam: outputs parameter `key` once it is staged at version >= step.
 
+#include <thread>
+
 #include "absl/strings/str_cat.h"
+#include "emulated_clock.h"
 #include "kernels/kernel_util.h"
 #include "runtime.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -40,9 +43,12 @@ class AwaitParamOp : public AsyncOpKernel {
     const PartialTensorShape shape = shape_;
     // After AwaitParam returns, `ctx` may already be gone (the callback may
     // have run on another thread): touch nothing but the callback below.
+    // The callback runs on this thread only when the parameter was already
+    // there; otherwise the arrival ends a wait the emulated device saw too.
+    const std::thread::id caller = std::this_thread::get_id();
     AwaitParam(key_, step, dtype_, shape_, ctx->cancellation_manager(),
-               [ctx, done = std::move(done), key, step, dtype, shape](const absl::Status& status,
-                                                                     const Tensor& value) {
+               [ctx, done = std::move(done), key, step, dtype, shape, caller](
+                   const absl::Status& status, const Tensor& value) {
                  if (!status.ok()) {
                    ctx->SetStatus(status);
                  } else if (value.dtype() != dtype || !shape.IsCompatibleWith(value.shape())) {
@@ -53,6 +59,7 @@ class AwaitParamOp : public AsyncOpKernel {
                  } else {
                    ctx->set_output(0, value);  // shares the staged buffer
                    RecordStamp(key, step, PROPHET_STAMP_AWAIT_END);
+                   if (std::this_thread::get_id() != caller) NoteDataReady(EmulatedClock::now());
                  }
                  done();
                });

@@ -14,7 +14,12 @@ the same cores, so the bench can instead emulate it (``--compute emulated``):
 - in backprop, a layer's gradients become ready its profiled backward time
   after the next layer's, again in an ``EmulatedDelay``; every gradient is a
   real tensor of its variable's size (zeros: the weights do not move, the
-  bytes still do).
+  bytes still do);
+- within a step, a layer's delay counts from when its inputs were ready to
+  the emulated device (the previous delay's end, its parameters' arrival),
+  not from when an executor thread got to it: a GPU's launch queue hides
+  that host latency too, and over a hundred layers it would add up (about
+  0.1 ms a layer on an idle 2-core VM, more when the cores are busy).
 
 Profile times are scaled by ``scale`` (``--compute-ms`` and ``--time-scale``
 set it, see ``prophet-tf bench``). Built for Keras 3 or tf_keras alike, so
@@ -38,6 +43,8 @@ INPUT_WIDTH = 1
 def emulated_layers(profile: dict, scale: float = 1.0) -> list[dict]:
     """The layers of ``profile``: ``name``, ``variables`` (name, shape, dtype),
     ``forward_s`` and ``backward_s`` (its gap in backprop), times ``scale``.
+    Their forward times add up to the profile's ``forward_s``, their backward
+    gaps to its latest gradient readiness.
 
     Variables ``a/b/kernel`` and ``a/b/bias`` belong to layer ``a/b``; the
     profile lists them in forward order, a layer's variables together.
@@ -67,8 +74,14 @@ def emulated_layers(profile: dict, scale: float = 1.0) -> list[dict]:
     for layer in reversed(layers):
         layer["backward_s"] = max(0.0, layer["ready_s"] - later)
         later = max(later, layer["ready_s"])
+    # The per-variable forward times are medians, whose sum is not the median
+    # forward: share out the profile's forward time in their proportions.
+    medians = sum(layer["forward_s"] for layer in layers)
+    total = float(profile.get("forward_s", medians))
+    share = total / medians if medians > 0 else 0.0
     return [{"name": layer["name"], "variables": layer["variables"],
-             "forward_s": layer["forward_s"] * scale, "backward_s": layer["backward_s"] * scale}
+             "forward_s": layer["forward_s"] * share * scale,
+             "backward_s": layer["backward_s"] * scale}
             for layer in layers]
 
 
@@ -87,9 +100,12 @@ def build_emulated_model(profile: dict, keras_module=None, scale: float = 1.0):
         """Reads its variables, then takes its forward time; its gradients are
         ready its backward time after the output's gradient arrives."""
 
-        def __init__(self, spec: dict, **kwargs):
+        def __init__(self, spec: dict, first: bool, **kwargs):
             super().__init__(name=spec["name"].replace("/", "_"), **kwargs)
             self.spec = spec
+            # Within a step the host's latency between layers stays hidden, as
+            # behind a GPU's launch queue; the step's start is the host's.
+            self.hide_launch_gap = not first
             self.weights_ = [self.add_weight(name=v["name"], shape=v["shape"],
                                              dtype=v["dtype"], initializer="zeros",
                                              trainable=True)
@@ -108,15 +124,16 @@ def build_emulated_model(profile: dict, keras_module=None, scale: float = 1.0):
             @tf.custom_gradient
             def backward_time(t):
                 def grad(dy):
-                    return emulation.delay(dy, backward_s)
+                    return emulation.delay(dy, backward_s, hide_launch_gap=True)
                 return tf.identity(t), grad
 
-            return emulation.delay(backward_time(touched), self.spec["forward_s"])
+            return emulation.delay(backward_time(touched), self.spec["forward_s"],
+                                   hide_launch_gap=self.hide_launch_gap)
 
     inputs = keras_module.Input((INPUT_WIDTH,))
     out = inputs
-    for spec in emulated_layers(profile, scale):
-        out = EmulatedLayer(spec)(out)
+    for i, spec in enumerate(emulated_layers(profile, scale)):
+        out = EmulatedLayer(spec, first=i == 0)(out)
     return keras_module.Model(inputs, out, name=f"emulated_{profile.get('model', 'model')}")
 
 

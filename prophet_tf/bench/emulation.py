@@ -27,7 +27,7 @@ from prophet_tf import _native_library
 __all__ = ["delay"]
 
 
-def delay(x, seconds, after: Any = ()) -> tf.Tensor:
+def delay(x, seconds, after: Any = (), hide_launch_gap: bool = False) -> tf.Tensor:
     """Returns `x` (same buffer) once `seconds` have passed since its inputs were ready.
 
     Works eagerly (the call returns after `seconds`) and in a tf.function.
@@ -37,6 +37,14 @@ def delay(x, seconds, after: Any = ()) -> tf.Tensor:
         seconds: scalar, float32 or convertible: the emulated compute time,
             finite, >= 0 and <= 86400. 0 completes at once.
         after: tensors or ops (any nested structure) the delay starts after.
+        hide_launch_gap: count the `seconds` from when the inputs became ready
+            to the emulated device, not from when the host started the op:
+            from the last delay's deadline or parameter arrival, when that is
+            at most 10 ms before the start (``ops/emulated_clock.h``). This
+            hides the host's latency between dependent delays, as a GPU's
+            launch queue does; the delay may then end up to 10 ms sooner
+            after its start than `seconds`. Only for delays whose inputs wait
+            for nothing but earlier delays and parameters.
 
     Returns:
         `x`, same dtype, shape and buffer.
@@ -53,7 +61,7 @@ def delay(x, seconds, after: Any = ()) -> tf.Tensor:
         seconds = tf.cast(seconds, tf.float32)
     deps = [d for d in tf.nest.flatten(after) if d is not None]
     with tf.control_dependencies(deps):
-        y = ops.emulated_delay(x, seconds)
+        y = ops.emulated_delay(x, seconds, hide_launch_gap=bool(hide_launch_gap))
     if not tf.executing_eagerly():
         # Inside a tf.function, ACD would order this stateful op after every
         # earlier one; independent ops still run before the function returns.

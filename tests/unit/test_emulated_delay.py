@@ -8,12 +8,14 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from prophet_tf import _native
 from prophet_tf.bench import emulation
 
 pytestmark = pytest.mark.timeout(120)
@@ -116,6 +118,91 @@ def test_unused_delay_still_runs():
         return x + 1.0
 
     assert min(_wall(step, tf.constant(1.0), repeats=3)) >= 0.1
+
+
+# ---------------------------------------------------------------- hidden launch gaps
+
+def _chain(seconds, n, hide_launch_gap):
+    @tf.function
+    def step(x):
+        for i in range(n):
+            # Host work between dependent delays, as between a model's layers;
+            # the first counts from the call, as an emulated model's first layer.
+            x = emulation.delay(x + 1.0, seconds, hide_launch_gap=hide_launch_gap and i > 0)
+        return x
+    return step
+
+
+def test_hidden_launch_gaps_keep_a_chain_on_its_seconds():
+    # Each delay is started by an executor thread that the previous one's
+    # completion had to wake: about 0.1 ms here, which 100 layers add up.
+    x = tf.constant(1.0)
+    plain = _wall(_chain(0.002, 100, False), x, repeats=5)
+    hidden = _wall(_chain(0.002, 100, True), x, repeats=5)
+    # Never early: each delay counts from its own start, or from its
+    # predecessor's deadline, which is no later.
+    assert min(plain) >= 0.2, plain
+    assert min(hidden) >= 0.2, hidden
+    assert statistics.median(hidden) <= 0.2 * 1.03, (hidden, plain)
+
+
+def test_a_gap_longer_than_the_launch_window_is_kept():
+    def host_work(x):
+        time.sleep(0.02)
+        return x
+
+    @tf.function
+    def step(x):
+        a = emulation.delay(x, 0.05, hide_launch_gap=True)
+        b = tf.py_function(host_work, [a], tf.float32)
+        return emulation.delay(b, 0.05, hide_launch_gap=True)
+
+    times = _wall(step, tf.constant(1.0), repeats=3)
+    assert min(times) >= 0.05 + 0.02 + 0.05, times
+
+
+@pytest.fixture
+def declared_param():
+    _native.reset()
+    _native.declare_param(0, tf.float32, [1])
+    yield 0
+    _native.reset()
+
+
+def test_a_parameter_arrival_ends_the_hidden_gap(declared_param):
+    # The second delay waits for a parameter that arrives just after the first
+    # delay's deadline: it counts from the arrival, not from that deadline.
+    @tf.function
+    def step(x, version):
+        a = emulation.delay(x, 0.05, hide_launch_gap=True)
+        a = _native.ready_stamp(a, key=1, step=version)  # when the host saw `a` ready
+        w = _native.await_param(version, key=declared_param, dtype=tf.float32, shape=[1])
+        b = emulation.delay(a + 0.0 * w[0], 0.05, hide_launch_gap=True)
+        return _native.ready_stamp(b, key=2, step=version)  # when the host saw `b` ready
+
+    x = tf.constant([1.0])
+    _native.deliver(declared_param, 0, [0.0])
+    step(x, tf.constant(0, tf.int64))  # traced and warm
+    _native.drain_stamps()
+    for version, after_ready in enumerate([0.0003, 0.0005, 0.0007, 0.002], start=1):
+        arrival = []
+
+        def deliver(version=version, after_ready=after_ready):
+            seen = []
+            while not seen:  # spins: a sleep would overshoot the window under test
+                seen = [s["t_ns"] for s in _native.drain_stamps()
+                        if s["kind"] == _native.StampKind.READY and s["key"] == 1]
+            while _native.now_ns() < seen[0] + after_ready * 1e9:
+                pass
+            arrival.append(_native.now_ns())
+            _native.deliver(declared_param, version, [1.0])
+
+        thread = threading.Thread(target=deliver, daemon=True)
+        thread.start()
+        step(x, tf.constant(version, tf.int64))
+        thread.join(timeout=10)
+        [done] = [s["t_ns"] for s in _native.drain_stamps() if s["key"] == 2]
+        assert done >= arrival[0] + 0.05e9, (after_ready, (done - arrival[0]) / 1e9)
 
 
 # ---------------------------------------------------------------- exit

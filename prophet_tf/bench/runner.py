@@ -636,8 +636,10 @@ def _main_suite(args) -> int:
     except KeyboardInterrupt:
         print("prophet-tf bench: interrupted; the emulated network was removed", file=sys.stderr)
         return 130
-    print(f"\nsuite {args.suite}: {len(result['cells'])} cells in "
-          f"{result['elapsed_s'] / 60:.1f} min (this invocation)")
+    walls = [c["wall_s"] for c in result["cells"] if "wall_s" in c]
+    print(f"\nsuite {args.suite}: {len(result['cells'])} cells, "
+          f"{result['elapsed_s'] / 60:.1f} min in this invocation"
+          + (f", {sum(walls) / 60:.1f} min over {len(walls)} timed cell(s)" if walls else ""))
     print_suite(result)
     if args.json:
         print(f"results written to {args.json}")

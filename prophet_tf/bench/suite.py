@@ -166,9 +166,12 @@ def run_suite(name: str, json_path: str | None, timeline_dir: str | None = None,
               f"{cell['compute_ms']:g} ms, time scale {cell['time_scale']:g}",
               file=out, flush=True)
         args = runner._parse(_argv(suite, cell, timeline_dir))
+        started = time.monotonic()
         bench = runner.run_bench(args, out)
         runner.print_table(bench, out)
-        result["cells"].append({"cell": cell, **bench})
+        # Each cell's own wall time: elapsed_s counts only this invocation,
+        # and a resumed suite's cells ran in several.
+        result["cells"].append({"cell": cell, **bench, "wall_s": time.monotonic() - started})
         result["elapsed_s"] = time.monotonic() - t0
         if json_path:
             _write(json_path, result)

@@ -113,6 +113,9 @@ def test_the_smoke_suite_runs_resumes_and_plots(tmp_path):
     _check(cell, cell["cell"]["compute_ms"] / 1e3 * cell["cell"]["time_scale"],
            cell["cell"]["time_scale"])
     assert [r["scheduler"] for r in cell["results"]] == ["fifo", "prophet"]
+    # The cell's wall time covers every run's start-up and timed steps.
+    assert cell["wall_s"] > sum(r["startup_s"] + r["step_time_s"] * cell["config"]["steps"]
+                                for r in cell["results"]) > 0
     # Run again: the cell is kept, nothing runs, the JSON is unchanged.
     assert "1 cell(s) kept" in run_suite() and json.loads(out.read_text())["cells"] == [cell]
     png = tmp_path / "suite.png"

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from prophet_tf.bench import models
+
 __all__ = ["emulated_layers", "build_emulated_model", "emulated_data", "INPUT_WIDTH"]
 
 #: The emulated model's input and every layer's activation: (batch, INPUT_WIDTH).
@@ -59,7 +61,7 @@ def emulated_layers(profile: dict, scale: float = 1.0) -> list[dict]:
     if not variables:
         raise ValueError(f"The profile of {profile.get('model')!r} lists no variables")
     layers: list[dict] = []
-    for v in variables:
+    for v, forward_s in zip(variables, models.variable_forward_s(profile)):
         layer_name = v["name"].rsplit("/", 1)[0] if "/" in v["name"] else v["name"]
         if not layers or layers[-1]["name"] != layer_name:
             layers.append({"name": layer_name, "variables": [], "forward_s": 0.0,
@@ -68,19 +70,14 @@ def emulated_layers(profile: dict, scale: float = 1.0) -> list[dict]:
         layer["variables"].append({"name": v["name"].rsplit("/", 1)[-1],
                                    "shape": tuple(int(d) for d in v["shape"]),
                                    "dtype": v.get("dtype", "float32")})
-        layer["forward_s"] += float(v["forward_s"])
+        layer["forward_s"] += forward_s
         layer["ready_s"] = max(layer["ready_s"], float(v["backward_ready_s"]))
     later = 0.0  # readiness of the next layer's gradients (the last layer's: the loss)
     for layer in reversed(layers):
         layer["backward_s"] = max(0.0, layer["ready_s"] - later)
         later = max(later, layer["ready_s"])
-    # The per-variable forward times are medians, whose sum is not the median
-    # forward: share out the profile's forward time in their proportions.
-    medians = sum(layer["forward_s"] for layer in layers)
-    total = float(profile.get("forward_s", medians))
-    share = total / medians if medians > 0 else 0.0
     return [{"name": layer["name"], "variables": layer["variables"],
-             "forward_s": layer["forward_s"] * share * scale,
+             "forward_s": layer["forward_s"] * scale,
              "backward_s": layer["backward_s"] * scale}
             for layer in layers]
 

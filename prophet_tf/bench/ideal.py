@@ -8,8 +8,9 @@ b_i, forward time f_i, backward readiness R_i after the forward ends)::
     chain_i = F - F_<i + min_{j<=i} R_j + D(S_i) / B + 2·L
 
 - C: compute time of one step on a worker; at least the forward F (the
-  profile's, which may exceed the sum of the f_i) plus the last gradient's
-  readiness.
+  profile's) plus the last gradient's readiness. The f_i are F shared out
+  in the proportions of the profile's per-variable medians
+  (``models.variable_forward_s``), as the emulated model runs them.
 - D(S): the fewest bytes the busiest link must carry in one direction per
   step for a set of variables S of b(S) bytes, under the best placement
   (every variable cut as finely as wanted and spread evenly):
@@ -44,6 +45,8 @@ scheduler, any partition size and any placement; a run within 15% of it
 leaves little on the table.
 """
 from __future__ import annotations
+
+from prophet_tf.bench import models
 
 LAYOUTS = ("colocated", "dedicated")
 #: Wire bytes per payload byte of TCP over Ethernet, MTU 1500 (module doc).
@@ -92,8 +95,8 @@ def ideal_step_time(profile: dict, workers: int, num_ps: int, bandwidth_mbit: fl
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
     compute = profile["compute_s"] * scale
     variables = profile["variables"]
-    # The forward time no variable accounts for counts at the forward's end.
-    forward = max(profile["forward_s"], sum(v["forward_s"] for v in variables)) * scale
+    forward_s = [f * scale for f in models.variable_forward_s(profile)]
+    forward = sum(forward_s)
     bytes_per_s = payload_bytes_per_s(bandwidth_mbit, framing)
 
     def link_s(nbytes: float) -> float:
@@ -114,7 +117,7 @@ def ideal_step_time(profile: dict, workers: int, num_ps: int, bandwidth_mbit: fl
 
         if t > chain:
             chain, chain_variable = t, i
-        forward_before += v["forward_s"] * scale
+        forward_before += forward_s[i]
     busiest = link_bytes(model_bytes, workers, num_ps, layout)
     compute = max(compute, forward + max(v["backward_ready_s"] for v in variables) * scale)
     return {"ideal_s": max(compute, link_s(model_bytes), chain), "compute_s": compute,

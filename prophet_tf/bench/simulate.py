@@ -18,7 +18,8 @@ and drains again.
 What is modelled, per iteration of one worker (all workers are identical and
 in lockstep, so one is simulated and every PS link is shared W ways):
 
-- forward: variable i's forward time starts when variable i-1's has ended
+- forward: variable i's forward time (``models.variable_forward_s``) starts
+  when variable i-1's has ended
   and variable i's parameters of this version are in (all partitions);
 - backward starts when the forward ends; gradient i is ready
   ``backward_ready_s[i]`` later (the profile); the iteration (the Keras step
@@ -50,6 +51,7 @@ import types
 from typing import Callable
 
 from prophet_tf.bench import ideal as ideal_lib
+from prophet_tf.bench import models
 from prophet_tf.engine import schedulers as schedulers_lib
 from prophet_tf.engine.dispatch import Dispatch
 
@@ -183,10 +185,8 @@ class _Worker:
         self.push_links = lambda ps: network.push_links(index, ps)
         self.pull_links = lambda ps: network.pull_links(index, ps)
         self.vars = profile["variables"]
-        self.fwd = [v["forward_s"] * compute_scale for v in self.vars]
+        self.fwd = [f * compute_scale for f in models.variable_forward_s(profile)]
         self.ready = [v["backward_ready_s"] * compute_scale for v in self.vars]
-        # Forward time no variable's layer accounts for (inputs, loss): at its end.
-        self.forward_tail = max(0.0, profile["forward_s"] * compute_scale - sum(self.fwd))
         self.num_ps, self.iterations = num_ps, iterations
         self.latency, self.overhead, self.per_byte = latency_s, rpc_overhead_s, rpc_per_byte_s
         self.parts_of = dispatch.partitions_of
@@ -219,7 +219,7 @@ class _Worker:
             i, self.var = self.var, self.var + 1
             self.sim.at(self.sim.now + self.fwd[i], self._forward)
             return
-        begin = self.sim.now + self.forward_tail
+        begin = self.sim.now
         order = sorted(range(len(self.vars)), key=lambda i: (self.ready[i], -i))
         iteration = self.iteration
         for i in order:

@@ -139,6 +139,20 @@ def test_ideal_bound_terms():
         ideal.ideal_step_time(TOY, 2, 1, 100, layout="ring")
 
 
+@pytest.mark.timeout(60)
+def test_ideal_chain_shares_a_longer_forward_out_over_the_variables():
+    # The profile's forward (the median total) is twice the per-variable
+    # medians' sum: every variable's forward counts double, as in the
+    # emulated model, so the forward before variable 2 is 0.08, not 0.04.
+    longer = {**TOY, "forward_s": 2 * sum(v["forward_s"] for v in TOY["variables"])}
+    total = sum(v["nbytes"] for v in TOY["variables"])
+    b = ideal.ideal_step_time(longer, workers=2, num_ps=1, bandwidth_mbit=100,
+                              latency_ms=1.0, framing=1.0)
+    assert b["chain_variable"] == 2
+    assert b["chain_s"] == pytest.approx(
+        2 * 0.006 + 0.01 + 2 * (total - 40_000) * 8 / 100e6 + 0.002)
+
+
 @pytest.mark.timeout(600)
 def test_no_simulation_beats_the_ideal_bound():
     """Over models, layouts, worker counts and bandwidths, every scheduler's

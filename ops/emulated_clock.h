@@ -28,8 +28,13 @@ using EmulatedClock = std::chrono::steady_clock;
 // short against any step.
 constexpr EmulatedClock::duration kLaunchWindow = std::chrono::milliseconds(10);
 
-// Data became ready to the emulated device at `t` (thread-safe; keeps the latest).
+// Data became ready to the emulated device at `t` (thread-safe; keeps the
+// latest). Does nothing until a delay has asked for the clock, so that
+// training without emulated compute pays only one atomic load.
 void NoteDataReady(EmulatedClock::time_point t);
+
+// Whether any delay has asked for the clock (DeviceStart) in this process.
+bool EmulatedClockInUse();
 
 // When a delay started by the host at `now` starts on the emulated device:
 // the last noted moment if it is at most kLaunchWindow before `now`, else `now`.

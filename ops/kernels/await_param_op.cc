@@ -59,7 +59,9 @@ class AwaitParamOp : public AsyncOpKernel {
                  } else {
                    ctx->set_output(0, value);  // shares the staged buffer
                    RecordStamp(key, step, PROPHET_STAMP_AWAIT_END);
-                   if (std::this_thread::get_id() != caller) NoteDataReady(EmulatedClock::now());
+                   if (EmulatedClockInUse() && std::this_thread::get_id() != caller) {
+                     NoteDataReady(EmulatedClock::now());
+                   }
                  }
                  done();
                });

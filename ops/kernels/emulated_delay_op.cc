@@ -17,10 +17,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "emulated_clock.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
-#include "emulated_clock.h"
 
 namespace prophet_tf {
 

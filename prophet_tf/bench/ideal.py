@@ -42,7 +42,10 @@ left out (receive offloads make them fewer), so the bound stays a bound.
 Each term assumes the others away (full overlap, no per-message cost, no
 PS apply time, partitions as small as wanted), so the bound holds for any
 scheduler, any partition size and any placement; a run within 15% of it
-leaves little on the table.
+leaves little on the table. In the colocated layout it bounds an all-reduce
+as well: a bandwidth-optimal all-reduce (the ring) also sends and receives
+2·(W-1)/W·b(S) per worker link (Patarasuk and Yuan, JPDC 2009), so no
+exchange of the same bytes, PS or all-reduce, beats it.
 """
 from __future__ import annotations
 

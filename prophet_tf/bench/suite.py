@@ -155,6 +155,7 @@ def run_suite(name: str, json_path: str | None, timeline_dir: str | None = None,
     have = {_key(c["cell"]) for c in done}
     result = {"suite": dataclasses.asdict(suite), "cells": done, "elapsed_s": 0.0,
               "complete": False}
+    order = {_key(c): i for i, c in enumerate(cells(suite))}
     todo = [c for c in cells(suite) if _key(c) not in have]
     if done:
         print(f"prophet-tf bench: suite {name}: {len(done)} cell(s) kept from {json_path}, "
@@ -172,6 +173,8 @@ def run_suite(name: str, json_path: str | None, timeline_dir: str | None = None,
         # Each cell's own wall time: elapsed_s counts only this invocation,
         # and a resumed suite's cells ran in several.
         result["cells"].append({"cell": cell, **bench, "wall_s": time.monotonic() - started})
+        # In the suite's order, also when a resumed run filled a gap.
+        result["cells"].sort(key=lambda c: order[_key(c["cell"])])
         result["elapsed_s"] = time.monotonic() - t0
         if json_path:
             _write(json_path, result)
@@ -184,10 +187,15 @@ def run_suite(name: str, json_path: str | None, timeline_dir: str | None = None,
 
 def summary(result: dict) -> list[dict]:
     """Per cell: every scheduler's step at the cluster's scale, its speedup
-    over FIFO, and Prophet's ratios to tf-mwms, to the better of P3 and
-    ByteScheduler, and to the ideal bound (None where a run is missing), and
-    whether the cell ran with answers first (None: run before the bench
-    recorded it)."""
+    over FIFO, Prophet's ratios to tf-mwms, to the better of P3 and
+    ByteScheduler and to the ideal bound, tf-mwms's ratio to that bound (None
+    where a run is missing), and whether the cell ran with answers first
+    (None: run before the bench recorded it).
+
+    The suite's PS tasks are colocated, so the bound holds for tf-mwms too:
+    its ring all-reduce moves the same 2·(W-1)/W of the gradient bytes over
+    every link (``ideal``'s module doc). Prophet can be 0.7x tf-mwms only
+    where tf-mwms takes at least 1/0.7 = 1.43x the bound."""
     rows = []
     for c in result["cells"]:
         step = {r["scheduler"]: r["step_time_s"] for r in c["results"]}
@@ -202,5 +210,7 @@ def summary(result: dict) -> list[dict]:
                      "prophet_vs_tf_mwms": ratio(prophet, step.get("tf-mwms")),
                      "prophet_vs_rival": ratio(prophet, rival),
                      "prophet_vs_ideal": ratio(prophet, c["config"]["ideal"]["ideal_s"]),
+                     "tf_mwms_vs_ideal": ratio(step.get("tf-mwms"),
+                                               c["config"]["ideal"]["ideal_s"]),
                      "answers_first": c["config"].get("answers_first")})
     return rows

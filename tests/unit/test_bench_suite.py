@@ -57,6 +57,7 @@ def test_summary_ratios():
     assert r["prophet_vs_tf_mwms"] == pytest.approx(0.2 / 0.32)
     assert r["prophet_vs_rival"] == pytest.approx(0.2 / 0.25)  # the better of P3 and BS
     assert r["prophet_vs_ideal"] == pytest.approx(2.0)
+    assert r["tf_mwms_vs_ideal"] == pytest.approx(3.2)
     partial = suite.summary(_result(fifo=0.4, prophet=0.3))[0]
     assert partial["prophet_vs_rival"] is None and partial["prophet_vs_tf_mwms"] is None
 
@@ -90,14 +91,14 @@ def test_suite_plot_and_table(tmp_path):
     table = report.suite_table(result)
     first = suite.cells(suite.SUITES["paper"])[0]
     assert (f"| {first['model']} | {first['workers']} | {first['bandwidth_mbit'] / 1e3:g} | "
-            f"200.0 ms | 1.60× | 1.33× | 2.00× | 1.25× | 0.62 | 0.80 | 2.00 | – |") in table
+            f"200.0 ms | 1.60× | 1.33× | 2.00× | 1.25× | 0.62 | 0.80 | 2.00 | 3.20 | – |") in table
     assert "2 of 12 cells (incomplete)" in table
     assert "answers first –: run before the bench recorded the setting" in table
     # A cell that recorded the setting shows it; with every cell recorded, no footnote.
     for c, on in zip(result["cells"], (True, False)):
         c["config"]["answers_first"] = on
     table = report.suite_table(result)
-    assert "| 2.00 | on |" in table and "| 2.00 | off |" in table and "–: run" not in table
+    assert "| 3.20 | on |" in table and "| 3.20 | off |" in table and "–: run" not in table
 
 
 def test_a_suite_without_fifo_is_refused(tmp_path, capsys):

@@ -56,6 +56,16 @@ def test_a_bench_table_carries_the_json_numbers(tmp_path):
     assert "200 Mbit/s at time scale 6 (links 33.3 Mbit/s, compute ×6; step times as " \
         "measured), 1 run of 30 steps" in text
     assert "| 2.00 | 0.75 |" in text
+    # With colocated PS tasks and emulated compute the bound holds for the
+    # all-reduce too; with dedicated PS hosts it does not.
+    result["config"]["compute"] = "emulated"
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert report.main([str(md)]) == 0
+    assert "| tf-mwms | 250.0 ms | 250.0–250.0 | 256.0 | 0.62 | 1.00 | 1.25 | – |" in md.read_text()
+    result["config"]["layout"] = "dedicated"
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert report.main([str(md)]) == 0
+    assert "| tf-mwms | 250.0 ms | 250.0–250.0 | 256.0 | 0.62 | 1.00 | – | – |" in md.read_text()
 
 
 def test_bad_markers_name_what_was_received(tmp_path):

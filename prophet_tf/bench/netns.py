@@ -42,8 +42,8 @@ import subprocess
 import threading
 from typing import Sequence
 
-__all__ = ["SUBNET", "EmulatedNetwork", "available", "cleanup_leftovers", "list_ours",
-           "NetnsUnavailable"]
+__all__ = ["SUBNET", "EmulatedNetwork", "available", "cleanup_leftovers", "interface_bytes",
+           "list_ours", "NetnsUnavailable"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,27 @@ def available(need_latency: bool = False) -> tuple[bool, str]:
         return True, ""
     finally:
         _ip("netns", "del", probe, check=False)
+
+
+def interface_bytes(pid: int, dev: str = "eth0") -> tuple[int, int] | None:
+    """``(received, sent)`` bytes of interface ``dev`` in the network namespace
+    of process ``pid`` (``/proc/PID/net/dev``: no subprocess, no setns), or
+    None once the process is gone or the namespace has no ``dev``.
+
+    The kernel counts each packet it hands the device with its Ethernet, IP
+    and TCP headers; a segmentation-offloaded packet counts its headers once.
+    """
+    try:
+        with open(f"/proc/{pid}/net/dev") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in lines[2:]:  # two header lines
+        name, _, fields = line.partition(":")
+        if name.strip() == dev:
+            values = fields.split()
+            return int(values[0]), int(values[8])
+    return None
 
 
 def list_ours() -> list[str]:

@@ -92,6 +92,8 @@ DEFAULTS = {"model": "cnn", "workers": 2, "layout": "colocated", "ps": None,
 # PS_PORT + k.
 PS_PORT, WORKER_PORT = 7080, 7070
 RUN_TIMEOUT_S = 900.0
+#: How often a run's processes' CPU time and its hosts' byte counters are read.
+SAMPLE_PERIOD_S = 0.1
 COMPUTE_MODES = ("real", "emulated")
 #: Above this share of the machine's cores in use by a run's processes, the
 #: machine rather than the emulated network may set the step time. Measured
@@ -240,14 +242,25 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
                                  stderr=subprocess.STDOUT, env=_env(extra))
             procs.append(p)
             worker_procs.append(p)
+        # One process per emulated host: its /proc entry shows the host's interface.
+        host_pids = {}
+        if cluster.network:
+            for i in range(len(ps_addresses)):
+                host_pids.setdefault(cluster.ps_host(i), procs[i].pid)
+            for j, p in enumerate(worker_procs):
+                host_pids.setdefault(cluster.worker_host(j), p.pid)
+        link_bytes: list[tuple] = []  # (time.monotonic(), {host: (received, sent)})
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while any(p.poll() is None for p in worker_procs):
-            ps_cpu.append((time.monotonic(), [worker_lib.cpu_seconds(procs[i].pid)
-                                              for i in range(len(ps_addresses))]))
+            now = time.monotonic()
+            ps_cpu.append((now, [worker_lib.cpu_seconds(procs[i].pid)
+                                 for i in range(len(ps_addresses))]))
+            link_bytes.append((now, {h: netns.interface_bytes(pid)
+                                     for h, pid in host_pids.items()}))
             failed = [p for p in procs if p.poll() not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 break
-            time.sleep(0.2)
+            time.sleep(SAMPLE_PERIOD_S)
         bad = [(j, p.returncode) for j, p in enumerate(worker_procs) if p.returncode != 0]
         if bad or any(p.poll() not in (None, 0) for p in procs):
             j = bad[0][0] if bad else 0
@@ -272,12 +285,54 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
         # batch of the last worker to get there (monotonic clocks are system-wide).
         starts = [r["train_window"][0] for r in reports if "train_window" in r]
         startup = max(starts) - launched if starts else None
+        loads = None  # a compute run has no steps to measure; an unshaped link no rate
+        if framework != "local" and cluster.network and cluster.network.bandwidth_mbit:
+            loads = _link_loads(link_bytes, _measured_window(reports, WARMUP_STEPS),
+                                ideal_lib.payload_bytes_per_s(cluster.network.bandwidth_mbit))
         return {"reports": reports, "cpu_busy": busy, "message_costs": costs,
-                "startup_s": startup}
+                "startup_s": startup, "link_load": loads}
     finally:
         _stop(procs)
         for log in logs:
             log.close()
+
+
+def _measured_window(reports: list[dict], warmup: int) -> tuple[float, float]:
+    """When every worker was past its warm-up steps and none had finished."""
+    begin = max(r["train_window"][0] + sum(r["step_times_s"][:warmup]) for r in reports)
+    return begin, min(r["train_window"][1] for r in reports)
+
+
+def _counter_at(samples: list[tuple], host: int, side: int, t: float) -> float | None:
+    """A host's byte counter at time ``t``, interpolated between the samples around it."""
+    known = [(s_t, c[host][side]) for s_t, c in samples if c.get(host) is not None]
+    for (t0, v0), (t1, v1) in zip(known, known[1:]):
+        if t0 <= t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v0
+    return None
+
+
+def _link_loads(samples: list[tuple], window: tuple[float, float],
+                payload_bytes_per_s: float) -> dict | None:
+    """Each emulated host's link load over ``window``, one list per direction
+    (``sent``: its uplink, ``received``: its downlink), by host: the bytes its
+    interface counted over what the link's payload rate carries in that time
+    (the ideal bound's B). About 1.0 is a link busy all the time; headers
+    counted per packet can take it up to ``ideal.TCP_FRAMING``. None where a
+    host was not sampled over the whole window."""
+    begin, end = window
+    if end <= begin or not samples:
+        return None
+    hosts = sorted(samples[0][1])
+    loads = {}
+    for side, name in ((1, "sent"), (0, "received")):
+        per_host = []
+        for h in hosts:
+            a, b = _counter_at(samples, h, side, begin), _counter_at(samples, h, side, end)
+            per_host.append(None if a is None or b is None
+                            else (b - a) / ((end - begin) * payload_bytes_per_s))
+        loads[name] = per_host
+    return loads
 
 
 def _busy_between(samples: list[tuple], i: int, begin: float, end: float) -> float | None:
@@ -286,6 +341,29 @@ def _busy_between(samples: list[tuple], i: int, begin: float, end: float) -> flo
     if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
         return None
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+def busiest_load(loads: dict | None) -> float | None:
+    """The highest link load of a run, over hosts and directions (None: not measured)."""
+    values = [v for side in (loads or {}).values() for v in side if v is not None]
+    return max(values) if values else None
+
+
+def _loads_text(loads: dict | None) -> str:
+    if not loads:
+        return ""
+    up = [v for v in loads["sent"] if v is not None]
+    return (f"; links sent {min(up):.2f}-{max(up):.2f} of their rate, busiest "
+            f"{busiest_load(loads):.2f}" if up else "")
+
+
+def _median_loads(loads: list[dict | None]) -> dict | None:
+    """Per direction and host, the median over the runs that measured it."""
+    known = [x for x in loads if x]
+    if not known:
+        return None
+    return {side: [_median_or_none(x[side][h] for x in known)
+                   for h in range(len(known[0][side]))] for side in known[0]}
 
 
 def _median_or_none(values) -> float | None:
@@ -375,6 +453,7 @@ def run_bench(args, out=sys.stdout) -> dict:
                             _run_step_time(result["reports"], WARMUP_STEPS))
                     runs[name].append({"step_time_s": step, "reports": result["reports"],
                                        "cpu_busy": result["cpu_busy"],
+                                       "link_load": result["link_load"],
                                        "message_costs": result["message_costs"],
                                        "startup_s": result["startup_s"]})
                     busy = [b for b in result["cpu_busy"].values() if b is not None]
@@ -383,7 +462,8 @@ def run_bench(args, out=sys.stdout) -> dict:
                           + (f", {result['startup_s']:.0f} s to the first batch"
                              if result["startup_s"] is not None else "")
                           + f", CPU busy {sum(busy):.2f} of "
-                          f"{os.cpu_count()} cores, most {max(busy, default=0):.2f})",
+                          f"{os.cpu_count()} cores, most {max(busy, default=0):.2f}"
+                          + _loads_text(result["link_load"]) + ")",
                           file=out, flush=True)
                     if sum(busy) > BUSY_WARNING * (os.cpu_count() or 1):
                         print(f"prophet-tf bench: WARNING: the {name} run kept "
@@ -438,6 +518,7 @@ def run_bench(args, out=sys.stdout) -> dict:
                         "message_costs": message_costs.combine(
                             [r["message_costs"] for r in runs[name]]),
                         "startup_s": _median_or_none(r["startup_s"] for r in runs[name]),
+                        "link_load": _median_loads([r["link_load"] for r in runs[name]]),
                         "ideal_step_time_s": bound["ideal_s"],
                         "per_step_s": [[statistics.fmean(s) for s in zip(
                             *[w["step_times_s"] for w in r["reports"]])] for r in runs[name]]})
@@ -509,16 +590,19 @@ def print_table(result: dict, out=sys.stdout) -> None:
     fifo = next((r["step_time_s"] for r in result["results"] if r["scheduler"] == "fifo"), None)
     cluster = f" {'cluster ms':>10}" if k != 1 else ""
     print(f"{'scheduler':>13} {'step ms':>9} {'min-max ms':>15} {'samples/s':>10} "
-          f"{'vs fifo':>8} {'vs ideal':>9} {'CPU busy':>8}{cluster}", file=out)
+          f"{'vs fifo':>8} {'vs ideal':>9} {'CPU busy':>8} {'link load':>9}{cluster}",
+          file=out)
     for r in result["results"]:
         lo, hi = min(r["step_time_s_all"]), max(r["step_time_s_all"])
         vs = f"{r['step_time_s'] / fifo:.2f}" if fifo else "-"
         busy = sum((r.get("cpu_busy") or {}).values())
         at_scale = f" {r['step_time_s'] / k * 1e3:10.1f}" if k != 1 else ""
+        load = busiest_load(r.get("link_load"))
+        load = "-" if load is None else f"{load:.2f}"
         print(f"{r['scheduler']:>13} {r['step_time_s'] * 1e3:9.1f} "
               f"{lo * 1e3:7.1f}-{hi * 1e3:<7.1f} {r['samples_per_s']:10.1f} {vs:>8} "
-              f"{r['step_time_s'] / r['ideal_step_time_s']:9.2f} {busy:8.2f}{at_scale}",
-              file=out)
+              f"{r['step_time_s'] / r['ideal_step_time_s']:9.2f} {busy:8.2f} {load:>9}"
+              f"{at_scale}", file=out)
 
 
 def _parse(argv):

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from cluster import child_env, run_prophet
-from prophet_tf.bench import netns
+from prophet_tf.bench import ideal, netns, runner
 
 BANDWIDTH_MBIT = 100.0
 
@@ -48,6 +48,15 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
         # Unshaped, this model's step takes about a third of this on loopback.
         assert r["step_time_s"] >= floor * 0.95, (r, floor)
         assert r["step_time_s"] >= r["ideal_step_time_s"] * 0.9
+        if config["shaping"] == "netns":
+            # Each host's link, each way, over the measured steps: no more than
+            # the shaper lets through (headers included), and this
+            # link-bound run keeps its busiest link mostly busy.
+            loads = r["link_load"]
+            assert sorted(loads) == ["received", "sent"]
+            assert all(0 < v < ideal.TCP_FRAMING * 1.05 for side in loads.values()
+                       for v in side), loads
+            assert runner.busiest_load(loads) > 0.3, loads
     assert "fifo" in proc.stdout and "prophet" in proc.stdout  # the table
     if netns.available()[0]:
         assert set(netns.list_ours()) == before  # torn down

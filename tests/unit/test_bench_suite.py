@@ -106,3 +106,26 @@ def test_a_suite_without_fifo_is_refused(tmp_path, capsys):
     path.write_text(json.dumps(_result(prophet=0.2)))
     assert plot.main([str(path), "-o", str(tmp_path / "x.png")]) == 2
     assert "no cell has a FIFO run" in capsys.readouterr().err
+
+
+def test_link_loads_over_the_measured_window():
+    # Two hosts sampled every 0.5 s: host 0 sends 1000 bytes/s, host 1 500.
+    samples = [(t, {0: (0, int(1000 * t)), 1: (int(250 * t), int(500 * t))})
+               for t in (0.0, 0.5, 1.0, 1.5, 2.0)]
+    reports = [{"train_window": [0.0, 2.0], "step_times_s": [0.25, 0.25, 0.5, 1.0]},
+               {"train_window": [0.1, 1.8], "step_times_s": [0.2, 0.2, 0.7, 0.7]}]
+    # After 2 warm-up steps: from 0.5 (the later worker) to 1.8 (the first to finish).
+    window = runner._measured_window(reports, 2)
+    assert window == pytest.approx((0.5, 1.8))
+    loads = runner._link_loads(samples, window, payload_bytes_per_s=1000.0)
+    assert loads["sent"] == pytest.approx([1.0, 0.5])
+    assert loads["received"] == pytest.approx([0.0, 0.25])
+    assert runner.busiest_load(loads) == pytest.approx(1.0)
+    # A host whose counters stop (its process ended) is not measured past them.
+    samples[-1][1][1] = None
+    assert runner._link_loads(samples, (0.5, 1.9), 1000.0)["sent"] == [
+        pytest.approx(1.0), None]
+    assert runner._link_loads(samples, (1.0, 1.0), 1000.0) is None
+    assert runner._median_loads([None, loads, {"sent": [0.8, None], "received": [0.0, 0.5]}]) \
+        == {"sent": [pytest.approx(0.9), pytest.approx(0.5)],
+            "received": [pytest.approx(0.0), pytest.approx(0.375)]}

@@ -50,6 +50,7 @@ def test_network_is_shaped_and_removed():
             print(n, flush=True)""")]), stdout=subprocess.PIPE, text=True)
         try:
             assert server.stdout.readline().strip() == "ready"
+            received_before, _ = netns.interface_bytes(server.pid)
             t0 = time.monotonic()
             subprocess.run(net.command(0, [sys.executable, "-c", textwrap.dedent(f"""
                 import socket
@@ -57,10 +58,14 @@ def test_network_is_shaped_and_removed():
                 c.sendall(b"x" * 1_000_000); c.close()""")]), check=True, timeout=30)
             assert server.stdout.readline().strip() == "1000000"
             elapsed = time.monotonic() - t0
+            # Host 1's interface counted the megabyte and its headers, and nothing else.
+            received = netns.interface_bytes(server.pid)[0] - received_before
         finally:
             server.kill()
             server.wait()
         assert elapsed >= 1_000_000 * 8 / 40e6 * 0.9, elapsed
+        assert 1_000_000 < received < 1_000_000 * 1.1, received
+        assert netns.interface_bytes(server.pid) is None  # the process is gone
     assert not any(_exists(n) for n in names)
 
 

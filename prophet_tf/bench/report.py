@@ -15,7 +15,8 @@ range, throughput, ratios to FIFO, tf-mwms and the ideal bound), ``suite``
 speedup over FIFO and Prophet's ratios) and ``validate`` (a ``prophet-tf
 simulate --validate --json`` result: measured against predicted) and
 ``runs`` (a glob of bench results of one configuration, e.g. a setting on
-and off: a row per run and scheduler). Paths are relative to the Markdown file. The tests run
+and off: a row per run and scheduler) and ``phases`` (a bench result's
+``link_phases``: the links' load through the step). Paths are relative to the Markdown file. The tests run
 ``--check`` on the README, so a table can never drift from its data.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ import os
 import re
 import sys
 
-__all__ = ["bench_table", "runs_table", "suite_table", "validate_table", "render", "main"]
+__all__ = ["bench_table", "phases_table", "runs_table", "suite_table", "validate_table",
+           "render", "main"]
 
 _BLOCK = re.compile(r"(<!-- table: (\w+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
@@ -52,13 +54,27 @@ def _vs_ideal(config: dict, r: dict) -> str:
     return f"{r['step_time_s'] / r['ideal_step_time_s']:.2f}"
 
 
+def _link_columns(loads: dict | None) -> str:
+    """A run's uplink loads (lowest–highest host) and its busiest link, over
+    hosts and directions (``runner._link_loads``)."""
+    from prophet_tf.bench import runner
+
+    sent = [v for v in (loads or {}).get("sent", []) if v is not None]
+    busiest = runner.busiest_load(loads)
+    return (f"{min(sent):.2f}–{max(sent):.2f}" if sent else "–") + " | " + (
+        "–" if busiest is None else f"{busiest:.2f}")
+
+
 def bench_table(result: dict) -> str:
-    """Markdown lines for a bench result, one row per scheduler."""
+    """Markdown lines for a bench result, one row per scheduler; results that
+    measured the link loads (on the emulated network) add two columns."""
     config, rows = result["config"], result["results"]
     by = {r["scheduler"]: r["step_time_s"] for r in rows}
-    ideal = config["ideal"]
+    links = any(r.get("link_load") for r in rows)
     lines = ["| scheduler | step time (median) | range over runs | samples/s | vs FIFO | "
-             "vs tf-mwms | vs ideal | CPU busy |", "|---|---|---|---|---|---|---|---|"]
+             "vs tf-mwms | vs ideal | CPU busy |" + (" uplinks' load | busiest link |"
+                                                    if links else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if links else "")]
     for r in rows:
         step = r["step_time_s"]
         ratios = [f"{step / by[ref]:.2f}" if ref in by else "–" for ref in ("fifo", "tf-mwms")]
@@ -69,7 +85,8 @@ def bench_table(result: dict) -> str:
         lines.append(
             f"| {r['scheduler']} | {_ms(step)} ms | {_ms(min(r['step_time_s_all']))}–"
             f"{_ms(max(r['step_time_s_all']))} | {r['samples_per_s']:.1f} | {ratios[0]} | "
-            f"{ratios[1]} | {vs_ideal} | {busy} |")
+            f"{ratios[1]} | {vs_ideal} | {busy} |"
+            + (f" {_link_columns(r.get('link_load'))} |" if links else ""))
     lines.append("")
     lines.append(_caption(config, _count(len(rows[0]["step_time_s_all"]), "run")))
     return "\n".join(lines) + "\n"
@@ -175,8 +192,37 @@ def validate_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def phases_table(result: dict) -> str:
+    """Markdown lines for a bench result's ``link_phases``: per scheduler and
+    direction, the hosts' mean link load in each part of the step.
+
+    Raises:
+      ValueError: a result that did not measure them.
+    """
+    rows = [r for r in result["results"] if r.get("link_phases")]
+    if not rows:
+        raise ValueError("a phases table needs a bench result with link_phases (a run on "
+                         f"the emulated network). Received: schedulers "
+                         f"{[r['scheduler'] for r in result['results']]} without them")
+    bins = len(next(h for h in rows[0]["link_phases"]["sent"] if h))
+    lines = ["| scheduler | link | " + " | ".join(
+        f"{100 * k // bins}–{100 * (k + 1) // bins}%" for k in range(bins)) + " |",
+        "|---|---|" + "---|" * bins]
+    for r in rows:
+        for side, name in (("sent", "up"), ("received", "down")):
+            hosts = [h for h in r["link_phases"][side] if h]
+            means = [sum(part) / len(hosts) for part in zip(*hosts)]
+            lines.append(f"| {r['scheduler']} | {name} | "
+                         + " | ".join(f"{m:.2f}" for m in means) + " |")
+    lines.append("")
+    lines.append(_caption(result["config"], _count(len(rows[0]["step_time_s_all"]), "run"))
+                 + " Each host's load in each part of its worker's step, averaged over "
+                   "the measured steps and then over the hosts.")
+    return "\n".join(lines) + "\n"
+
+
 _KINDS = {"bench": bench_table, "suite": suite_table, "validate": validate_table,
-          "runs": runs_table}
+          "runs": runs_table, "phases": phases_table}
 
 
 def render(markdown: str, base: str) -> str:

@@ -57,6 +57,7 @@ so; PS links are then not shared between workers, and tf-mwms is not shaped.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -94,6 +95,8 @@ PS_PORT, WORKER_PORT = 7080, 7070
 RUN_TIMEOUT_S = 900.0
 #: How often a run's processes' CPU time and its hosts' byte counters are read.
 SAMPLE_PERIOD_S = 0.1
+#: Parts of the step over which a run's link loads are also given (``link_phases``).
+PHASE_BINS = 10
 COMPUTE_MODES = ("real", "emulated")
 #: Above this share of the machine's cores in use by a run's processes, the
 #: machine rather than the emulated network may set the step time. Measured
@@ -285,12 +288,15 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
         # batch of the last worker to get there (monotonic clocks are system-wide).
         starts = [r["train_window"][0] for r in reports if "train_window" in r]
         startup = max(starts) - launched if starts else None
-        loads = None  # a compute run has no steps to measure; an unshaped link no rate
+        loads = phases = None  # a compute run has no steps; an unshaped link no rate
         if framework != "local" and cluster.network and cluster.network.bandwidth_mbit:
-            loads = _link_loads(link_bytes, _measured_window(reports, WARMUP_STEPS),
-                                ideal_lib.payload_bytes_per_s(cluster.network.bandwidth_mbit))
+            rate = ideal_lib.payload_bytes_per_s(cluster.network.bandwidth_mbit)
+            loads = _link_loads(link_bytes, _measured_window(reports, WARMUP_STEPS), rate)
+            phases = _link_phases(link_bytes, reports,
+                                  {cluster.worker_host(j): j for j in range(len(reports))},
+                                  WARMUP_STEPS, rate)
         return {"reports": reports, "cpu_busy": busy, "message_costs": costs,
-                "startup_s": startup, "link_load": loads}
+                "startup_s": startup, "link_load": loads, "link_phases": phases}
     finally:
         _stop(procs)
         for log in logs:
@@ -333,6 +339,49 @@ def _link_loads(samples: list[tuple], window: tuple[float, float],
                             else (b - a) / ((end - begin) * payload_bytes_per_s))
         loads[name] = per_host
     return loads
+
+
+def _link_phases(samples: list[tuple], reports: list[dict], host_worker: dict, warmup: int,
+                 payload_bytes_per_s: float, bins: int = PHASE_BINS) -> dict | None:
+    """Where in the step each host's link is busy: per direction and host,
+    ``bins`` loads, one per equal part of the step, averaged over the measured
+    steps. A host's steps are its own worker's (``host_worker``), or worker
+    0's on a host without one. None where a host was not sampled over a step."""
+    if not samples:
+        return None
+    phases = {}
+    for side, name in ((1, "sent"), (0, "received")):
+        per_host = []
+        for h in sorted(samples[0][1]):
+            r = reports[host_worker.get(h, 0)]
+            ends = list(itertools.accumulate(r["step_times_s"], initial=r["train_window"][0]))
+            sums, steps = [0.0] * bins, 0
+            for begin, end in zip(ends[warmup:], ends[warmup + 1:]):
+                edges = [begin + (end - begin) * k / bins for k in range(bins + 1)]
+                counts = [_counter_at(samples, h, side, t) for t in edges]
+                if end <= begin or None in counts:
+                    continue
+                part_bytes = (end - begin) / bins * payload_bytes_per_s
+                for k in range(bins):
+                    sums[k] += (counts[k + 1] - counts[k]) / part_bytes
+                steps += 1
+            per_host.append([x / steps for x in sums] if steps else None)
+        phases[name] = per_host
+    return phases
+
+
+def _median_phases(phases: list[dict | None]) -> dict | None:
+    """Per direction, host and part of the step, the median over the runs that measured it."""
+    known = [x for x in phases if x]
+    if not known:
+        return None
+    out = {}
+    for side in known[0]:
+        out[side] = []
+        for h in range(len(known[0][side])):
+            runs = [x[side][h] for x in known if x[side][h] is not None]
+            out[side].append([statistics.median(v) for v in zip(*runs)] if runs else None)
+    return out
 
 
 def _busy_between(samples: list[tuple], i: int, begin: float, end: float) -> float | None:
@@ -454,6 +503,7 @@ def run_bench(args, out=sys.stdout) -> dict:
                     runs[name].append({"step_time_s": step, "reports": result["reports"],
                                        "cpu_busy": result["cpu_busy"],
                                        "link_load": result["link_load"],
+                                       "link_phases": result["link_phases"],
                                        "message_costs": result["message_costs"],
                                        "startup_s": result["startup_s"]})
                     busy = [b for b in result["cpu_busy"].values() if b is not None]
@@ -519,6 +569,7 @@ def run_bench(args, out=sys.stdout) -> dict:
                             [r["message_costs"] for r in runs[name]]),
                         "startup_s": _median_or_none(r["startup_s"] for r in runs[name]),
                         "link_load": _median_loads([r["link_load"] for r in runs[name]]),
+                        "link_phases": _median_phases([r["link_phases"] for r in runs[name]]),
                         "ideal_step_time_s": bound["ideal_s"],
                         "per_step_s": [[statistics.fmean(s) for s in zip(
                             *[w["step_times_s"] for w in r["reports"]])] for r in runs[name]]})

@@ -108,6 +108,28 @@ def test_a_suite_without_fifo_is_refused(tmp_path, capsys):
     assert "no cell has a FIFO run" in capsys.readouterr().err
 
 
+def test_link_phases_show_where_in_the_step_a_link_is_busy():
+    # Steps of 1 s from t=0; host 0 (worker 0) sends 1000 bytes/s in the second
+    # half of every step only, host 1 (worker 1) 500 bytes/s all the time.
+    def sent0(t):
+        whole, part = divmod(t, 1.0)
+        return 1000 * (0.5 * whole + max(0.0, part - 0.5))
+
+    samples = [(t / 10, {0: (0, sent0(t / 10)), 1: (0, 500 * t / 10)}) for t in range(61)]
+    reports = [{"train_window": [0.0, 6.0], "step_times_s": [1.0] * 6}] * 2
+    phases = runner._link_phases(samples, reports, {0: 0, 1: 1}, warmup=2,
+                                 payload_bytes_per_s=1000.0, bins=4)
+    assert phases["sent"] == [pytest.approx([0.0, 0.0, 1.0, 1.0], abs=1e-9),
+                              pytest.approx([0.5] * 4)]
+    assert phases["received"] == [pytest.approx([0.0] * 4)] * 2
+    # A host sampled over no measured step is not measured; runs combine by median.
+    samples = [(t, {0: c[0], 1: None if t > 1 else c[1]}) for t, c in samples]
+    late = runner._link_phases(samples, reports, {0: 0, 1: 1}, 2, 1000.0, bins=4)
+    assert late["sent"][1] is None
+    assert runner._median_phases([None, phases, late])["sent"] == [
+        pytest.approx([0.0, 0.0, 1.0, 1.0], abs=1e-9), pytest.approx([0.5] * 4)]
+
+
 def test_link_loads_over_the_measured_window():
     # Two hosts sampled every 0.5 s: host 0 sends 1000 bytes/s, host 1 500.
     samples = [(t, {0: (0, int(1000 * t)), 1: (int(250 * t), int(500 * t))})

@@ -66,6 +66,35 @@ def test_a_bench_table_carries_the_json_numbers(tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(result))
     assert report.main([str(md)]) == 0
     assert "| tf-mwms | 250.0 ms | 250.0–250.0 | 256.0 | 0.62 | 1.00 | – | – |" in md.read_text()
+    # A result that measured the links adds each run's uplinks' range and its
+    # busiest link (a downlink here); a row without them shows "–".
+    result["results"][0]["link_load"] = {"sent": [0.78, 0.81], "received": [0.7, 0.86]}
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert report.main([str(md)]) == 0
+    text = md.read_text()
+    assert "| CPU busy | uplinks' load | busiest link |" in text
+    assert "| 0.75 | 0.78–0.81 | 0.86 |" in text
+    assert "| tf-mwms | 250.0 ms | 250.0–250.0 | 256.0 | 0.62 | 1.00 | – | – | – | – |" in text
+
+
+def test_a_phases_table_averages_the_hosts_per_part_of_the_step(tmp_path):
+    config = {"model": "cnn", "workers": 2, "ps": 2, "layout": "colocated",
+              "bandwidth_mbit": 200.0, "steps": 30, "compute_s": 0.04,
+              "ideal": {"ideal_s": 0.2, "compute_s": 0.04, "busiest_link_s": 0.19}}
+    fifo = {"scheduler": "fifo", "step_time_s": 0.4, "step_time_s_all": [0.4]}
+    (tmp_path / "r.json").write_text(json.dumps({"config": config, "results": [fifo]}))
+    md = tmp_path / "doc.md"
+    md.write_text("<!-- table: phases r.json -->\n<!-- end table -->\n")
+    assert report.main([str(md)]) == 2  # no phases measured: said, nothing written
+    assert md.read_text() == "<!-- table: phases r.json -->\n<!-- end table -->\n"
+    fifo["link_phases"] = {"sent": [[0.0, 1.0], [0.5, 0.9]], "received": [None, [0.2, 0.4]]}
+    (tmp_path / "r.json").write_text(json.dumps({"config": config, "results": [fifo]}))
+    assert report.main([str(md)]) == 0
+    text = md.read_text()
+    assert "| scheduler | link | 0–50% | 50–100% |" in text
+    assert "| fifo | up | 0.25 | 0.95 |" in text
+    assert "| fifo | down | 0.20 | 0.40 |" in text  # a host not measured is left out
+    assert "1 run of 30 steps" in text
 
 
 def test_bad_markers_name_what_was_received(tmp_path):

@@ -5,14 +5,17 @@ requests from a seeded generator: random bytes on its TCP port (raw, as
 garbage HTTP/2 prefaces and frames, as gRPC frames whose length prefix claims
 up to 4 GiB), well-framed gRPC calls of every method carrying random,
 truncated or mutated protobufs, and hand-built requests with int32/int64
-extremes in keys, partitions, steps, versions and worker ids, wrong dtypes and
-sizes, huge declared shapes, wire-type confusion and NaN/Inf gradients.
+extremes in keys, partitions, steps, rounds, versions and worker ids, wrong
+dtypes and sizes, huge declared shapes, wire-type confusion and NaN/Inf
+gradients.
 
 Checked: the process never dies and keeps serving; every malformed request
 gets an error status (never OK; never UNKNOWN, which would be an unhandled
 exception in the servicer); the PS log holds no traceback; nothing changes state (the version is the
 same after the fuzz, and a short SGD run with integer gradients still lands
-exactly on the numpy-computed parameters); and the memory stays bounded.
+exactly on the numpy-computed parameters, and a Gather round of both workers
+gives back exactly their payloads, also after a conflicting payload was
+refused while the round was open); and the memory stays bounded.
 
 Memory bounds: VmRSS grows by less than RSS_BOUND_MB over the fuzz, and in
 each of its last three quarters by less than GROWTH_KB_PER_REQUEST per request
@@ -69,8 +72,10 @@ BY_ID = {(p.key, p.partition): p for p in PLAN}
 # The RPCs under fuzz and the message each takes.
 REQUESTS = {"Register": ps_pb2.RegisterRequest, "Push": ps_pb2.PushRequest,
             "Pull": ps_pb2.PullRequest, "Heartbeat": ps_pb2.HeartbeatRequest,
-            "Owed": ps_pb2.OwedRequest}
+            "Owed": ps_pb2.OwedRequest, "Gather": ps_pb2.GatherRequest,
+            "Verdict": ps_pb2.GatherRequest}
 METHODS = tuple(REQUESTS)
+GATHER_ROUNDS = 4  # the fuzz's Gathers name these rounds; real rounds use them after it
 SGD1 = json.dumps({"module": "keras.optimizers", "class_name": "SGD",
                    "config": {"name": "SGD", "learning_rate": 1.0}, "registered_name": None})
 
@@ -148,6 +153,10 @@ def register_bytes(worker_id=1, num_workers=W, specs=None, optimizer=SGD1, initi
 
 def heartbeat_bytes(worker_id, steps_pushed=0, leaving=False) -> bytes:
     return f_varint(1, worker_id) + f_varint(2, steps_pushed) + f_varint(3, int(leaving))
+
+
+def gather_bytes(worker_id, round_id, payload=b"") -> bytes:
+    return f_varint(1, worker_id) + f_varint(2, round_id) + f_len(3, payload)
 
 
 def owed_bytes(worker_id, max_version, workers=()) -> bytes:
@@ -256,6 +265,10 @@ def possibly_valid(method, payload, state) -> bool | str:
     if method == "Owed":
         return (0 <= message.worker_id < W and message.max_version >= 0
                 and all(0 <= w < W for w in message.workers))
+    if method == "Gather":  # a valid one would join (or open) a round
+        return 0 <= message.worker_id < W and message.round >= 0
+    if method == "Verdict":  # the fuzz's model does not scale the loss: every verdict is refused
+        return False
     # Register: anything that could pass the PS's own checks.
     if message.num_workers != W or not 0 <= message.worker_id < W:
         return False
@@ -333,6 +346,9 @@ class Fuzzer:
             "Register": lambda: register_bytes(worker_id=r.randrange(W)),
             "Heartbeat": lambda: heartbeat_bytes(r.randrange(W), v),
             "Owed": lambda: owed_bytes(r.randrange(W), v, range(W)),
+            "Gather": lambda: gather_bytes(r.randrange(W), r.randrange(GATHER_ROUNDS),
+                                           r.randbytes(r.randint(0, 8))),
+            "Verdict": lambda: gather_bytes(r.randrange(W), v, b"\x01"),
         }[method]()
         data = bytearray(template)
         for _ in range(r.randint(1, 4)):
@@ -574,6 +590,36 @@ class Fuzzer:
         workers.insert(r.randrange(len(workers) + 1), self.bad_int(INT32 + (W,)))
         return Case("owed/workers", "Owed", owed_bytes(r.randrange(W), 0, workers))
 
+    def gather(self):
+        r = self.rng
+        wid, round_id = r.randrange(W), r.randrange(GATHER_ROUNDS)
+        payload = r.randbytes(r.randint(0, 16))
+        kind = r.randrange(6)
+        if kind == 0:
+            return Case("gather/worker_id", "Gather",
+                        gather_bytes(self.bad_int(INT32 + (W, -2)), round_id, payload))
+        if kind == 1:
+            return Case("gather/round", "Gather",
+                        gather_bytes(wid, r.choice((-1, -2, -2**31, -2**63)), payload))
+        if kind == 2:  # wire-type confusion
+            return Case("gather/wire-type", "Gather", r.choice((
+                f_len(1, b"\x01") + f_varint(2, round_id) + f_len(3, payload),
+                f_varint(1, wid) + f_len(2, b"\x01") + f_len(3, payload),
+                f_varint(1, wid) + f_varint(2, round_id) + f_varint(3, 7),
+                f_varint(1, wid) + f_double(2, 1.0) + f_len(3, payload))))
+        if kind == 3:  # a length prefix claiming more than there is
+            claim = r.choice((2**31, 2**32 - 1, 2**63, 1000))
+            return Case("gather/claimed-length", "Gather",
+                        f_varint(1, wid) + f_varint(2, round_id) + varint(3 << 3 | 2)
+                        + varint(claim) + payload)
+        if kind == 4:  # an overlong varint for the round
+            return Case("gather/varint", "Gather", f_varint(1, wid) + varint(2 << 3)
+                        + b"\xff" * r.randint(10, 20) + b"\x01" + f_len(3, payload))
+        # a step's verdict: this PS's model does not scale the loss
+        return Case("verdict/no-loss-scaling", "Verdict",
+                    gather_bytes(wid, r.choice((0, self.state.version, -1)),
+                                 r.choice((b"\x01", b"\x00", b"\x02", b""))))
+
     def raw(self, port):
         r = self.rng
         kind = r.randrange(8)
@@ -780,7 +826,7 @@ def run_fuzz(start_ps, total, seed):
         sent = 0
         while sent < max(100, total // 20):
             case = rng.choice((lambda: fuzzer.register(fresh=True), fuzzer.push, fuzzer.pull,
-                               fuzzer.heartbeat, fuzzer.owed))()
+                               fuzzer.heartbeat, fuzzer.owed, fuzzer.gather))()
             result = fire(case)
             if result:
                 counts[result] += 1
@@ -806,7 +852,7 @@ def run_fuzz(start_ps, total, seed):
         # 3. The fuzz, on 4 threads: gRPC calls, raw connections, valid probes.
         families = ((fuzzer.random_bytes, 20), (fuzzer.mutated, 25), (fuzzer.push, 30),
                     (fuzzer.pull, 8), (fuzzer.register, 6), (fuzzer.heartbeat, 3),
-                    (fuzzer.owed, 3),
+                    (fuzzer.owed, 3), (fuzzer.gather, 5),
                     (lambda: fuzzer.raw(ps.port), 8))
         makers = [m for m, weight in families for _ in range(weight)]
         lock = threading.Lock()
@@ -859,6 +905,7 @@ def run_fuzz(start_ps, total, seed):
         for p in OWNED:
             np.testing.assert_array_equal(rows(values[p.key], p), rows(expected[p.key], p))
         train(clients, 3, state.version, expected)
+        check_gather_rounds(clients, channel)
 
         print(f"{sent} malformed requests in {elapsed:.1f} s (+ {probes[0]} valid probes), "
               f"{len(problems)} problems")
@@ -884,6 +931,29 @@ def run_fuzz(start_ps, total, seed):
         channel.close()
         for c in clients:
             c.close()
+
+
+def check_gather_rounds(clients, channel):
+    """Every round the fuzz named gives both workers exactly their payloads:
+    no refused Gather left bytes in a round. Round 0 goes as a worker's retry
+    does: worker 0's first call ends at its deadline (its payload stays in the
+    round), a conflicting payload from it is refused and changes nothing, and
+    its retry with the same payload completes the round with worker 1."""
+    with concurrent.futures.ThreadPoolExecutor(W) as pool:
+        for round_id in range(GATHER_ROUNDS):
+            payloads = [f"worker {w} round {round_id}".encode() for w in range(W)]
+            if round_id == 0:
+                with pytest.raises(grpc.RpcError) as early:
+                    clients[0].gather(round_id, payloads[0], timeout=2)
+                assert early.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                refused = call(channel, Case("gather/conflict", "Gather",
+                                             gather_bytes(0, round_id, b"other")), 30)
+                assert refused.code == grpc.StatusCode.INVALID_ARGUMENT, refused
+                assert "another payload for gather round 0" in refused.details
+            answers = [pool.submit(clients[w].gather, round_id, payloads[w], 30)
+                       for w in range(W)]
+            for w, answer in enumerate(answers):
+                assert answer.result(60) == payloads, f"worker {w}, round {round_id}"
 
 
 def big_cases(fuzzer, rounds):
@@ -985,10 +1055,11 @@ def test_undecodable_pushes_do_not_leak(bare_ps):
 
 
 @pytest.mark.timeout(240)
-def test_undecodable_register_pull_heartbeat_owed_do_not_leak(bare_ps):
+def test_undecodable_requests_of_the_other_rpcs_do_not_leak(bare_ps):
     """gRPC Python leaks per request whose deserializer raises; protocol.py's never do."""
     rng = random.Random(2)
-    growth = rss_growth(bare_ps, [(m, undecodable(rng, m, 1500))
-                                  for m in METHODS if m != "Push"])
-    print(f"VmRSS growth over 4000 undecodable Register/Pull/Heartbeat/Owed: {growth:.1f} MB")
+    methods = [m for m in METHODS if m != "Push"]
+    per_method = 500 + 4000 // len(methods)  # the warm-up, then 4000 requests in all
+    growth = rss_growth(bare_ps, [(m, undecodable(rng, m, per_method)) for m in methods])
+    print(f"VmRSS growth over 4000 undecodable {'/'.join(methods)}: {growth:.1f} MB")
     assert growth < LEAK_BOUND_MB

@@ -87,8 +87,11 @@ class Gatherer:
             with self._cond:
                 missing = [i for i, p in enumerate(entry.payloads) if p is None]
                 if not missing:
+                    # A worker's retry can leave its earlier call waiting past
+                    # its deadline: more fetches than workers, and the round
+                    # may already be gone (or reopened) when the last returns.
                     entry.fetched += 1
-                    if entry.fetched >= self.num_workers:
+                    if entry.fetched >= self.num_workers and self._rounds.get(round_id) is entry:
                         del self._rounds[round_id]
                     return list(entry.payloads)
             # Outside this lock: the check takes the servicer's, which holds it

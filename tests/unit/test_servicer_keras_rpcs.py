@@ -68,6 +68,21 @@ def test_gather_refuses_more_open_rounds_than_allowed(make_servicer):
                  grpc.StatusCode.RESOURCE_EXHAUSTED, "Received: round=99")
 
 
+def test_a_retry_beside_its_still_waiting_first_call_completes_the_round_once(make_servicer):
+    # Worker 0's first call is still waiting when its retry and worker 1
+    # complete the round: three fetches of one round, which is forgotten once.
+    servicer = make_servicer(num_workers=2)
+    first = {}
+    waiting = threading.Thread(target=lambda: first.setdefault("answer", list(
+        servicer.Gather(gather_request(0, 0, b"a"), Context(timeout=30)).payloads)))
+    waiting.start()
+    time.sleep(0.3)
+    assert gather_all(servicer, 0, [b"a", b"b"]) == {0: [b"a", b"b"], 1: [b"a", b"b"]}
+    waiting.join(30)
+    assert first["answer"] == [b"a", b"b"]
+    assert servicer._gatherer._rounds == {}
+
+
 def read_state(servicer, min_version, timeout=10.0):
     """{(slot, key): whole array} joined from the partitions' rows."""
     out = {}

@@ -23,13 +23,25 @@ A worker whose parameters are all in starts the next step and pushes; on its
 host's uplink those pushes share the link with its PS's answers to the
 workers still waiting, so the first worker's lead makes the others' wait
 longer.
+
+Last, where in each worker's own step (batch end to batch end, as the
+bench's ``link_phases``) the step's exchange ends: when the worker's and
+every worker's last push of the step before ended, when the first layer's
+value arrived, when the last answer arrived, when the first and the last
+gradient were ready; beside the link load in each tenth of the step, from
+the interface counters the bench keeps in ``run.json`` with the timelines.
+A push ends when the PS's reply arrives, which may wait behind answers in
+the same connection: the times are upper bounds on the PS's receipt.
 """
 import glob
+import itertools
 import json
 import os
 import re
 import statistics
 import sys
+
+from prophet_tf.bench import link_load
 
 WARMUP_STEPS = 8
 
@@ -153,19 +165,114 @@ def answer_tails(directory: str) -> list[dict]:
     return rows
 
 
+#: The events located in each measured step by :func:`step_events`.
+STEP_EVENTS = ("last push of the step before", "every worker's last push",
+               "first layer's pushes all in",
+               "first layer's parameter in", "last parameter in", "last answer in",
+               "first gradient ready", "last gradient ready")
+
+
+def step_events(directory: str, bins: int = 10) -> dict | None:
+    """Where in each worker's own step its events fall, beside its host's
+    link load through the step: needs the ``run.json`` the bench keeps with
+    the timelines. A step is the span between two batch ends of the worker
+    (the bench's ``link_phases`` use the same steps). Per measured step k
+    of worker w, as fractions of that span: w's last push of step k-1 ended;
+    every worker's last push of step k-1 had ended; every worker's push carrying the first layer of step k-1 had ended (the
+    PS could answer it: its partition was complete); w's first layer's and
+    last parameter of the forward of step k were in; the last answer of
+    version k was in; the first and last gradient of step k were ready. Returns the
+    medians (and ranges) over workers and steps, and each direction's link
+    load per tenth of the step (bytes over what the link's payload rate
+    carries), averaged over hosts and steps. None without run.json or a
+    shaped link."""
+    path = os.path.join(directory, "run.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        run = json.load(f)
+    rate = run["payload_bytes_per_s"]
+    if not rate:
+        return None
+    n = len(run["workers"])
+    events = [_events(directory, w) for w in range(n)]
+    # The first layer's variable has the lowest key (keys follow the model's
+    # variables; the forward requests many at once, so not the earliest read).
+    first_reads = []  # per worker: step -> (key, name, value in)
+    for w in range(n):
+        reads = {}
+        for e in events[w]:
+            if e.get("cat") == "forward":
+                k, key = e["args"]["step"], e["args"]["key"]
+                if k not in reads or key < reads[k][0]:
+                    reads[k] = (key, e["name"][len("read "):], e["args"]["forward_start_us"])
+        first_reads.append(reads)
+    first_key = {k: name for k, (_, name, _) in first_reads[0].items()}
+    first_layer_pushed = {}  # step -> when the last worker's push of the first layer ended
+    all_pushed = {}  # step -> when the last worker's last push ended
+    for w in range(n):
+        for e in events[w]:
+            if e.get("cat") == "push":
+                k, end = e["args"]["step"], e["ts"] + e["dur"]
+                all_pushed[k] = max(all_pushed.get(k, end), end)
+                if first_key.get(k + 1) in e["args"]["keys"]:
+                    first_layer_pushed[k] = max(first_layer_pushed.get(k, end), end)
+    samples = run["link_bytes"]
+    fractions = {name: [] for name in STEP_EVENTS}
+    loads = {"sent": [[] for _ in range(bins)], "received": [[] for _ in range(bins)]}
+    for host, w in run["host_worker"].items():
+        r = run["workers"][w]
+        ends = list(itertools.accumulate(r["step_times_s"], initial=r["train_window"][0]))
+        by = {}
+        for e in events[w]:
+            by.setdefault(e.get("cat"), []).append(e)
+        counters = {name: link_load.Counter(samples, host, side) for name, side in link_load.SIDES}
+        for k in range(WARMUP_STEPS, len(ends) - 1):
+            begin, end = ends[k] * 1e6, ends[k + 1] * 1e6  # us, as the timelines
+            ready = [e["ts"] for e in by["backward"] if e["args"]["step"] == k]
+            reads = [e["args"]["forward_start_us"] for e in by["forward"]
+                     if e["args"]["step"] == k]
+            pushes = [e["ts"] + e["dur"] for e in by["push"] if e["args"]["step"] == k - 1]
+            answers = [e["ts"] + e["dur"] for e in by["pull"] if e["args"]["version"] == k]
+            if not (ready and reads and pushes and answers and k - 1 in first_layer_pushed
+                    and k in first_reads[w]):
+                continue
+            at = [max(pushes), all_pushed[k - 1], first_layer_pushed[k - 1], first_reads[w][k][2], max(reads),
+                  max(answers), min(ready), max(ready)]
+            for name, t in zip(STEP_EVENTS, at):
+                fractions[name].append((t - begin) / (end - begin))
+            edges = [ends[k] + (ends[k + 1] - ends[k]) * i / bins for i in range(bins + 1)]
+            for name, counter in counters.items():
+                counts = [counter.at(t) for t in edges]
+                if None not in counts:
+                    for i in range(bins):
+                        loads[name][i].append((counts[i + 1] - counts[i])
+                                              / ((ends[k + 1] - ends[k]) / bins * rate))
+    if not fractions[STEP_EVENTS[0]]:
+        return None
+    return {"events": {name: statistics.median(v) for name, v in fractions.items()},
+            "events_range": {name: (min(v), max(v)) for name, v in fractions.items()},
+            "link_load": {side: [statistics.fmean(v) if v else None for v in parts]
+                            for side, parts in loads.items()}}
+
+
 def main(argv):
     """Prints each run's breakdown; with ``--json OUT`` also writes each run's
-    per-step answer tails (keyed "<cell directory>/<run directory>"), so the
-    figures drawn from timelines too large to commit are kept."""
+    per-step answer tails and, where the bench kept ``run.json``, its step
+    events (:func:`step_events`), keyed "<parent directory>/<run directory>",
+    so the figures drawn from timelines too large to commit are kept."""
     out = None
     if argv[:1] == ["--json"]:
         out, argv = argv[1], argv[2:]
-    tails = {}
+    tails, placed = {}, {}
     for pattern in argv:
         for directory in sorted(glob.glob(pattern)):
             path = os.path.normpath(directory)
-            tails[os.path.join(os.path.basename(os.path.dirname(path)),
-                               os.path.basename(path))] = answer_tails(directory)
+            run = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+            tails[run] = answer_tails(directory)
+            events = step_events(directory)
+            if events:
+                placed[run] = events
             b = breakdown(directory)
             if b:
                 print(os.path.basename(directory.rstrip("/")) + ": " + ", ".join(
@@ -181,10 +288,18 @@ def main(argv):
                       f"{r['tail_ms']:.0f} ms after its last push in, while worker "
                       f"{r['laggard_ps']} pushed {r['host_worker_push_mb']:.1f} MB of step "
                       f"{r['step'] + 1}")
+            if events:
+                print("  in worker steps (median, range): " + "; ".join(
+                    f"{name} {events['events'][name]:.3f} ({low:.3f} to {high:.3f})"
+                    for name, (low, high) in events["events_range"].items()))
+                for side, load in events["link_load"].items():
+                    print(f"  link load {side} per tenth: "
+                          + " ".join("-" if x is None else f"{x:.2f}" for x in load))
     if out:
         with open(out, "w") as f:
             json.dump({"command": "python benchmarks/timeline_breakdown.py --json OUT "
-                                  + " ".join(argv), "answer_tails": tails}, f, indent=1)
+                                  + " ".join(argv), "answer_tails": tails,
+                       "step_events": placed}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ speedup over FIFO and Prophet's ratios) and ``validate`` (a ``prophet-tf
 simulate --validate --json`` result: measured against predicted) and
 ``runs`` (a glob of bench results of one configuration, e.g. a setting on
 and off: a row per run and scheduler) and ``phases`` (a bench result's
-``link_phases``: the links' load through the step). Paths are relative to the Markdown file. The tests run
+``link_phases``: the links' load through the step) and ``events`` (the
+``step_events`` of ``benchmarks/timeline_breakdown.py --json``: where in
+the step its exchange ends, run by run). Paths are relative to the Markdown file. The tests run
 ``--check`` on the README, so a table can never drift from its data.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import re
 import sys
 
-__all__ = ["bench_table", "phases_table", "runs_table", "suite_table", "validate_table",
+__all__ = ["bench_table", "events_table", "phases_table", "runs_table", "suite_table", "validate_table",
            "render", "main"]
 
 _BLOCK = re.compile(r"(<!-- table: (\w+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
@@ -56,11 +58,11 @@ def _vs_ideal(config: dict, r: dict) -> str:
 
 def _link_columns(loads: dict | None) -> str:
     """A run's uplink loads (lowest–highest host) and its busiest link, over
-    hosts and directions (``runner._link_loads``)."""
-    from prophet_tf.bench import runner
+    hosts and directions (``link_load.link_loads``)."""
+    from prophet_tf.bench import link_load
 
     sent = [v for v in (loads or {}).get("sent", []) if v is not None]
-    busiest = runner.busiest_load(loads)
+    busiest = link_load.busiest_load(loads)
     return (f"{min(sent):.2f}–{max(sent):.2f}" if sent else "–") + " | " + (
         "–" if busiest is None else f"{busiest:.2f}")
 
@@ -221,8 +223,44 @@ def phases_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def events_table(result: dict) -> str:
+    """Markdown lines for the ``step_events`` of ``benchmarks/timeline_breakdown.py
+    --json``: a row per event, a column per run, each the median fraction of
+    the worker's step at which the event came (and its range), then the
+    links' load per tenth of the step.
+
+    Raises:
+      ValueError: a result without step events.
+    """
+    runs = result.get("step_events") or {}
+    if not runs:
+        raise ValueError("an events table needs the step_events of timeline_breakdown.py "
+                         f"--json (runs kept with their run.json). Received: keys "
+                         f"{sorted(result)}")
+    names = list(runs)
+    lines = ["| event | " + " | ".join(os.path.basename(n) for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    first = runs[names[0]]["events"]
+    for event in first:
+        cells = []
+        for n in names:
+            low, high = runs[n]["events_range"][event]
+            cells.append(f"{runs[n]['events'][event]:.2f} ({low:.2f}–{high:.2f})")
+        lines.append(f"| {event} | " + " | ".join(cells) + " |")
+    bins = len(runs[names[0]]["link_load"]["sent"])
+    for side, name in (("sent", "up"), ("received", "down")):
+        lines.append(f"| link load {name} | " + " | ".join(
+            " ".join("–" if x is None else f"{x:.2f}" for x in runs[n]["link_load"][side])
+            for n in names) + " |")
+    lines.append("")
+    lines.append(f"Fractions of each worker's step (batch end to batch end), median over "
+                 f"workers and measured steps (range); link loads per {100 // bins}% of the "
+                 f"step, averaged over hosts and steps. From `{result['command']}`.")
+    return "\n".join(lines) + "\n"
+
+
 _KINDS = {"bench": bench_table, "suite": suite_table, "validate": validate_table,
-          "runs": runs_table, "phases": phases_table}
+          "runs": runs_table, "phases": phases_table, "events": events_table}
 
 
 def render(markdown: str, base: str) -> str:

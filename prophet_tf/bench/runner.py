@@ -57,7 +57,6 @@ so; PS links are then not shared between workers, and tf-mwms is not shaped.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import os
@@ -70,7 +69,7 @@ import time
 
 from prophet_tf import cluster as cluster_lib
 from prophet_tf.bench import ideal as ideal_lib
-from prophet_tf.bench import message_costs, models, netns, suite as suite_lib
+from prophet_tf.bench import link_load, message_costs, models, netns, suite as suite_lib
 from prophet_tf.bench import worker as worker_lib
 from prophet_tf.engine import engine as engine_lib
 from prophet_tf.engine import schedulers as schedulers_lib
@@ -95,8 +94,6 @@ PS_PORT, WORKER_PORT = 7080, 7070
 RUN_TIMEOUT_S = 900.0
 #: How often a run's processes' CPU time and its hosts' byte counters are read.
 SAMPLE_PERIOD_S = 0.1
-#: Parts of the step over which a run's link loads are also given (``link_phases``).
-PHASE_BINS = 10
 COMPUTE_MODES = ("real", "emulated")
 #: Above this share of the machine's cores in use by a run's processes, the
 #: machine rather than the emulated network may set the step time. Measured
@@ -291,10 +288,15 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
         loads = phases = None  # a compute run has no steps; an unshaped link no rate
         if framework != "local" and cluster.network and cluster.network.bandwidth_mbit:
             rate = ideal_lib.payload_bytes_per_s(cluster.network.bandwidth_mbit)
-            loads = _link_loads(link_bytes, _measured_window(reports, WARMUP_STEPS), rate)
-            phases = _link_phases(link_bytes, reports,
+            loads = link_load.link_loads(link_bytes, _measured_window(reports, WARMUP_STEPS),
+                                         rate)
+            phases = link_load.link_phases(link_bytes, reports,
                                   {cluster.worker_host(j): j for j in range(len(reports))},
                                   WARMUP_STEPS, rate)
+        if args.timeline_dir:
+            _keep_run_record(timelines, reports, link_bytes,
+                             {cluster.worker_host(j): j for j in range(len(reports))},
+                             loads and rate)
         return {"reports": reports, "cpu_busy": busy, "message_costs": costs,
                 "startup_s": startup, "link_load": loads, "link_phases": phases}
     finally:
@@ -303,85 +305,27 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             log.close()
 
 
+def _keep_run_record(directory: str, reports: list[dict], link_bytes: list[tuple],
+                     host_worker: dict, payload_bytes_per_s: float | None) -> None:
+    """Writes ``run.json`` beside the run's timelines: each worker's step
+    marks and the raw interface counters, all on the monotonic clock the
+    timelines use, so a step's link load can be read beside its events
+    (benchmarks/timeline_breakdown.py), and the links' payload rate (None:
+    not shaped)."""
+    os.makedirs(directory, exist_ok=True)
+    record = {"payload_bytes_per_s": payload_bytes_per_s, "workers": [{"train_window": r["train_window"], "step_times_s": r["step_times_s"]}
+                          for r in reports],
+              "host_worker": {str(h): j for h, j in host_worker.items()},
+              "link_bytes": [[t, {str(h): c for h, c in counts.items()}]
+                             for t, counts in link_bytes]}
+    with open(os.path.join(directory, "run.json"), "w") as f:
+        json.dump(record, f)
+
+
 def _measured_window(reports: list[dict], warmup: int) -> tuple[float, float]:
     """When every worker was past its warm-up steps and none had finished."""
     begin = max(r["train_window"][0] + sum(r["step_times_s"][:warmup]) for r in reports)
     return begin, min(r["train_window"][1] for r in reports)
-
-
-def _counter_at(samples: list[tuple], host: int, side: int, t: float) -> float | None:
-    """A host's byte counter at time ``t``, interpolated between the samples around it."""
-    known = [(s_t, c[host][side]) for s_t, c in samples if c.get(host) is not None]
-    for (t0, v0), (t1, v1) in zip(known, known[1:]):
-        if t0 <= t <= t1:
-            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v0
-    return None
-
-
-def _link_loads(samples: list[tuple], window: tuple[float, float],
-                payload_bytes_per_s: float) -> dict | None:
-    """Each emulated host's link load over ``window``, one list per direction
-    (``sent``: its uplink, ``received``: its downlink), by host: the bytes its
-    interface counted over what the link's payload rate carries in that time
-    (the ideal bound's B). About 1.0 is a link busy all the time; headers
-    counted per packet can take it up to ``ideal.TCP_FRAMING``. None where a
-    host was not sampled over the whole window."""
-    begin, end = window
-    if end <= begin or not samples:
-        return None
-    hosts = sorted(samples[0][1])
-    loads = {}
-    for side, name in ((1, "sent"), (0, "received")):
-        per_host = []
-        for h in hosts:
-            a, b = _counter_at(samples, h, side, begin), _counter_at(samples, h, side, end)
-            per_host.append(None if a is None or b is None
-                            else (b - a) / ((end - begin) * payload_bytes_per_s))
-        loads[name] = per_host
-    return loads
-
-
-def _link_phases(samples: list[tuple], reports: list[dict], host_worker: dict, warmup: int,
-                 payload_bytes_per_s: float, bins: int = PHASE_BINS) -> dict | None:
-    """Where in the step each host's link is busy: per direction and host,
-    ``bins`` loads, one per equal part of the step, averaged over the measured
-    steps. A host's steps are its own worker's (``host_worker``), or worker
-    0's on a host without one. None where a host was not sampled over a step."""
-    if not samples:
-        return None
-    phases = {}
-    for side, name in ((1, "sent"), (0, "received")):
-        per_host = []
-        for h in sorted(samples[0][1]):
-            r = reports[host_worker.get(h, 0)]
-            ends = list(itertools.accumulate(r["step_times_s"], initial=r["train_window"][0]))
-            sums, steps = [0.0] * bins, 0
-            for begin, end in zip(ends[warmup:], ends[warmup + 1:]):
-                edges = [begin + (end - begin) * k / bins for k in range(bins + 1)]
-                counts = [_counter_at(samples, h, side, t) for t in edges]
-                if end <= begin or None in counts:
-                    continue
-                part_bytes = (end - begin) / bins * payload_bytes_per_s
-                for k in range(bins):
-                    sums[k] += (counts[k + 1] - counts[k]) / part_bytes
-                steps += 1
-            per_host.append([x / steps for x in sums] if steps else None)
-        phases[name] = per_host
-    return phases
-
-
-def _median_phases(phases: list[dict | None]) -> dict | None:
-    """Per direction, host and part of the step, the median over the runs that measured it."""
-    known = [x for x in phases if x]
-    if not known:
-        return None
-    out = {}
-    for side in known[0]:
-        out[side] = []
-        for h in range(len(known[0][side])):
-            runs = [x[side][h] for x in known if x[side][h] is not None]
-            out[side].append([statistics.median(v) for v in zip(*runs)] if runs else None)
-    return out
 
 
 def _busy_between(samples: list[tuple], i: int, begin: float, end: float) -> float | None:
@@ -392,27 +336,12 @@ def _busy_between(samples: list[tuple], i: int, begin: float, end: float) -> flo
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
-def busiest_load(loads: dict | None) -> float | None:
-    """The highest link load of a run, over hosts and directions (None: not measured)."""
-    values = [v for side in (loads or {}).values() for v in side if v is not None]
-    return max(values) if values else None
-
-
 def _loads_text(loads: dict | None) -> str:
     if not loads:
         return ""
     up = [v for v in loads["sent"] if v is not None]
     return (f"; links sent {min(up):.2f}-{max(up):.2f} of their rate, busiest "
-            f"{busiest_load(loads):.2f}" if up else "")
-
-
-def _median_loads(loads: list[dict | None]) -> dict | None:
-    """Per direction and host, the median over the runs that measured it."""
-    known = [x for x in loads if x]
-    if not known:
-        return None
-    return {side: [_median_or_none(x[side][h] for x in known)
-                   for h in range(len(known[0][side]))] for side in known[0]}
+            f"{link_load.busiest_load(loads):.2f}" if up else "")
 
 
 def _median_or_none(values) -> float | None:
@@ -568,8 +497,9 @@ def run_bench(args, out=sys.stdout) -> dict:
                         "message_costs": message_costs.combine(
                             [r["message_costs"] for r in runs[name]]),
                         "startup_s": _median_or_none(r["startup_s"] for r in runs[name]),
-                        "link_load": _median_loads([r["link_load"] for r in runs[name]]),
-                        "link_phases": _median_phases([r["link_phases"] for r in runs[name]]),
+                        "link_load": link_load.median_loads([r["link_load"] for r in runs[name]]),
+                        "link_phases": link_load.median_loads(
+                            [r["link_phases"] for r in runs[name]]),
                         "ideal_step_time_s": bound["ideal_s"],
                         "per_step_s": [[statistics.fmean(s) for s in zip(
                             *[w["step_times_s"] for w in r["reports"]])] for r in runs[name]]})
@@ -648,7 +578,7 @@ def print_table(result: dict, out=sys.stdout) -> None:
         vs = f"{r['step_time_s'] / fifo:.2f}" if fifo else "-"
         busy = sum((r.get("cpu_busy") or {}).values())
         at_scale = f" {r['step_time_s'] / k * 1e3:10.1f}" if k != 1 else ""
-        load = busiest_load(r.get("link_load"))
+        load = link_load.busiest_load(r.get("link_load"))
         load = "-" if load is None else f"{load:.2f}"
         print(f"{r['scheduler']:>13} {r['step_time_s'] * 1e3:9.1f} "
               f"{lo * 1e3:7.1f}-{hi * 1e3:<7.1f} {r['samples_per_s']:10.1f} {vs:>8} "
@@ -697,7 +627,8 @@ def _parse(argv):
                         help="compute-only runs (first reps); 0 = the profile's compute time")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--timeline-dir", default=None,
-                        help="keep each prophet_tf run's worker timelines here")
+                        help="keep each prophet_tf run's worker timelines here, with "
+                             "its step marks and link counters (run.json)")
     parser.add_argument("--suite", default=None, choices=sorted(suite_lib.SUITES),
                         help="run a grid of configurations into one JSON (paper: the "
                              "paper's models, bandwidths and worker counts; smoke: a "

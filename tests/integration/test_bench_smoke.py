@@ -4,7 +4,7 @@ import json
 import pytest
 
 from cluster import child_env, run_prophet
-from prophet_tf.bench import ideal, netns, runner
+from prophet_tf.bench import ideal, link_load, netns, runner
 
 BANDWIDTH_MBIT = 100.0
 
@@ -17,7 +17,8 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
         "bench", "--model", "cnn", "--workers", "2",
         "--bandwidth-mbit", str(BANDWIDTH_MBIT), "--steps", "9", "--reps", "1",
         "--compute-reps", "0", "--schedulers", "fifo,prophet", "--json", str(out),
-        env=child_env(), cwd=tmp_path, timeout=400)
+        "--timeline-dir", str(tmp_path / "timelines"), env=child_env(), cwd=tmp_path,
+        timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     config = result["config"]
@@ -56,7 +57,24 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
             assert sorted(loads) == ["received", "sent"]
             assert all(0 < v < ideal.TCP_FRAMING * 1.05 for side in loads.values()
                        for v in side), loads
-            assert runner.busiest_load(loads) > 0.3, loads
+            assert link_load.busiest_load(loads) > 0.3, loads
+            # Through the step: a load per tenth, per host and direction.
+            phases = r["link_phases"]
+            assert all(len(h) == link_load.PHASE_BINS and
+                       all(0 <= v < ideal.TCP_FRAMING * 1.05 for v in h)
+                       for side in phases.values() for h in side), phases
+    # Beside each run's timelines, what places its events in its steps.
+    records = sorted((tmp_path / "timelines").glob("*/run.json"))
+    assert [p.parent.name.split("-")[0] for p in records] == ["fifo", "prophet"]
+    for path in records:
+        record = json.loads(path.read_text())
+        assert [len(w["step_times_s"]) for w in record["workers"]] == [9, 9]
+        assert sorted(path.parent.glob("worker-*.json")) != []
+        if config["shaping"] == "netns":
+            assert record["payload_bytes_per_s"] == pytest.approx(
+                ideal.payload_bytes_per_s(BANDWIDTH_MBIT))
+            assert sorted(record["host_worker"].values()) == [0, 1]
+            assert len(record["link_bytes"]) > 10
     assert "fifo" in proc.stdout and "prophet" in proc.stdout  # the table
     if netns.available()[0]:
         assert set(netns.list_ours()) == before  # torn down

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from prophet_tf.bench import report, runner, suite
+from prophet_tf.bench import link_load, report, runner, suite
 from prophet_tf.tools import plot
 
 
@@ -117,16 +117,16 @@ def test_link_phases_show_where_in_the_step_a_link_is_busy():
 
     samples = [(t / 10, {0: (0, sent0(t / 10)), 1: (0, 500 * t / 10)}) for t in range(61)]
     reports = [{"train_window": [0.0, 6.0], "step_times_s": [1.0] * 6}] * 2
-    phases = runner._link_phases(samples, reports, {0: 0, 1: 1}, warmup=2,
+    phases = link_load.link_phases(samples, reports, {0: 0, 1: 1}, warmup=2,
                                  payload_bytes_per_s=1000.0, bins=4)
     assert phases["sent"] == [pytest.approx([0.0, 0.0, 1.0, 1.0], abs=1e-9),
                               pytest.approx([0.5] * 4)]
     assert phases["received"] == [pytest.approx([0.0] * 4)] * 2
     # A host sampled over no measured step is not measured; runs combine by median.
     samples = [(t, {0: c[0], 1: None if t > 1 else c[1]}) for t, c in samples]
-    late = runner._link_phases(samples, reports, {0: 0, 1: 1}, 2, 1000.0, bins=4)
+    late = link_load.link_phases(samples, reports, {0: 0, 1: 1}, 2, 1000.0, bins=4)
     assert late["sent"][1] is None
-    assert runner._median_phases([None, phases, late])["sent"] == [
+    assert link_load.median_loads([None, phases, late])["sent"] == [
         pytest.approx([0.0, 0.0, 1.0, 1.0], abs=1e-9), pytest.approx([0.5] * 4)]
 
 
@@ -139,15 +139,28 @@ def test_link_loads_over_the_measured_window():
     # After 2 warm-up steps: from 0.5 (the later worker) to 1.8 (the first to finish).
     window = runner._measured_window(reports, 2)
     assert window == pytest.approx((0.5, 1.8))
-    loads = runner._link_loads(samples, window, payload_bytes_per_s=1000.0)
+    loads = link_load.link_loads(samples, window, payload_bytes_per_s=1000.0)
     assert loads["sent"] == pytest.approx([1.0, 0.5])
     assert loads["received"] == pytest.approx([0.0, 0.25])
-    assert runner.busiest_load(loads) == pytest.approx(1.0)
+    assert link_load.busiest_load(loads) == pytest.approx(1.0)
     # A host whose counters stop (its process ended) is not measured past them.
     samples[-1][1][1] = None
-    assert runner._link_loads(samples, (0.5, 1.9), 1000.0)["sent"] == [
+    assert link_load.link_loads(samples, (0.5, 1.9), 1000.0)["sent"] == [
         pytest.approx(1.0), None]
-    assert runner._link_loads(samples, (1.0, 1.0), 1000.0) is None
-    assert runner._median_loads([None, loads, {"sent": [0.8, None], "received": [0.0, 0.5]}]) \
+    assert link_load.link_loads(samples, (1.0, 1.0), 1000.0) is None
+    assert link_load.median_loads([None, loads, {"sent": [0.8, None], "received": [0.0, 0.5]}]) \
         == {"sent": [pytest.approx(0.9), pytest.approx(0.5)],
             "received": [pytest.approx(0.0), pytest.approx(0.375)]}
+
+
+def test_a_host_counter_interpolates_inside_its_samples_only():
+    # Host 0 sampled at 0, 1 and 3 s; its process is gone at 2 s (None).
+    samples = [(0.0, {0: (0, 0)}), (1.0, {0: (10, 100)}), (2.0, {0: None}),
+               (3.0, {0: (30, 500)})]
+    sent = link_load.Counter(samples, 0, 1)
+    assert sent.at(0.0) == 0 and sent.at(1.0) == 100 and sent.at(3.0) == 500
+    assert sent.at(0.25) == pytest.approx(25.0)
+    assert sent.at(2.0) == pytest.approx(300.0)  # across the gap, between 1 s and 3 s
+    assert sent.at(-0.1) is None and sent.at(3.1) is None
+    assert link_load.counter_at(samples, 0, 0, 0.5) == pytest.approx(5.0)
+    assert link_load.Counter([], 0, 1).at(0.0) is None

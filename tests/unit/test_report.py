@@ -97,6 +97,30 @@ def test_a_phases_table_averages_the_hosts_per_part_of_the_step(tmp_path):
     assert "1 run of 30 steps" in text
 
 
+def test_an_events_table_has_a_row_per_event_and_a_column_per_run(tmp_path):
+    md = tmp_path / "doc.md"
+    md.write_text("<!-- table: events e.json -->\n<!-- end table -->\n")
+    (tmp_path / "e.json").write_text(json.dumps({"command": "x", "answer_tails": {}}))
+    assert report.main([str(md)]) == 2  # no step events: said, nothing written
+    assert md.read_text() == "<!-- table: events e.json -->\n<!-- end table -->\n"
+
+    def run(at, load):
+        return {"events": {"last answer in": at, "first gradient ready": at + 0.1},
+                "events_range": {"last answer in": [at - 0.1, at + 0.05],
+                                 "first gradient ready": [at, at + 0.2]},
+                "link_load": {"sent": [load, None], "received": [load / 2, 1.0]}}
+    (tmp_path / "e.json").write_text(json.dumps({"command": "python t.py", "step_events": {
+        "cell/fifo-1": run(0.75, 0.9), "cell/prophet-2": run(0.8, 0.6)}}))
+    assert report.main([str(md)]) == 0
+    text = md.read_text()
+    assert "| event | fifo-1 | prophet-2 |" in text
+    assert "| last answer in | 0.75 (0.65–0.80) | 0.80 (0.70–0.85) |" in text
+    assert "| first gradient ready | 0.85 (0.75–0.95) | 0.90 (0.80–1.00) |" in text
+    assert "| link load up | 0.90 – | 0.60 – |" in text
+    assert "| link load down | 0.45 1.00 | 0.30 1.00 |" in text
+    assert "per 50% of the step" in text and "`python t.py`" in text
+
+
 def test_bad_markers_name_what_was_received(tmp_path):
     md = tmp_path / "doc.md"
     md.write_text("<!-- table: pie r.json -->\n<!-- end table -->\n")

@@ -31,7 +31,8 @@ value arrived, when the last answer arrived, when the first and the last
 gradient were ready; beside the link load in each tenth of the step, from
 the interface counters the bench keeps in ``run.json`` with the timelines.
 A push ends when the PS's reply arrives, which may wait behind answers in
-the same connection: the times are upper bounds on the PS's receipt.
+the same connection, so the PS's own trace (``ps-<i>.json``, kept by the
+bench too) adds when each sum was complete and each answer handed to gRPC.
 """
 import glob
 import itertools
@@ -165,11 +166,29 @@ def answer_tails(directory: str) -> list[dict]:
     return rows
 
 
-#: The events located in each measured step by :func:`step_events`.
-STEP_EVENTS = ("last push of the step before", "every worker's last push",
-               "first layer's pushes all in",
-               "first layer's parameter in", "last parameter in", "last answer in",
+#: The events located in each measured step by :func:`step_events`; the
+#: ones marked (PS) come from the PS tasks' traces (``ps-<i>.json``).
+STEP_EVENTS = ("own last push of the step before", "every worker's last push",
+               "last sum complete (PS)", "first layer's pushes all in",
+               "first layer's sum complete (PS)", "first layer's parameter in",
+               "last answer handed to gRPC (PS)", "last answer in",
                "first gradient ready", "last gradient ready")
+
+
+def _ps_events(directory: str) -> dict:
+    """From the PS traces: ("complete", step) -> [(key, t)]; ("answered",
+    worker, version) -> latest t (us)."""
+    out = {}
+    for path in glob.glob(os.path.join(directory, "ps-*.json")):
+        with open(path) as f:
+            for e in json.load(f)["traceEvents"]:
+                args = e.get("args", {})
+                if e.get("cat") == "complete":
+                    out.setdefault(("complete", args["step"]), []).append((args["key"], e["ts"]))
+                elif e.get("cat") == "answered":
+                    at = ("answered", args["worker"], args["version"])
+                    out[at] = max(out.get(at, e["ts"]), e["ts"])
+    return out
 
 
 def step_events(directory: str, bins: int = 10) -> dict | None:
@@ -177,15 +196,17 @@ def step_events(directory: str, bins: int = 10) -> dict | None:
     link load through the step: needs the ``run.json`` the bench keeps with
     the timelines. A step is the span between two batch ends of the worker
     (the bench's ``link_phases`` use the same steps). Per measured step k
-    of worker w, as fractions of that span: w's last push of step k-1 ended;
-    every worker's last push of step k-1 had ended; every worker's push carrying the first layer of step k-1 had ended (the
-    PS could answer it: its partition was complete); w's first layer's and
-    last parameter of the forward of step k were in; the last answer of
-    version k was in; the first and last gradient of step k were ready. Returns the
-    medians (and ranges) over workers and steps, and each direction's link
-    load per tenth of the step (bytes over what the link's payload rate
-    carries), averaged over hosts and steps. None without run.json or a
-    shaped link."""
+    of worker w, as fractions of that span (the order of ``STEP_EVENTS``):
+    w's last push of step k-1 ended; every worker's had; the PS tasks had
+    the last partition's sum of step k-1 complete; every worker's push
+    carrying the first layer had ended, and its PS had its sum complete; w
+    had the first layer's value for the forward of step k; the PS tasks had
+    handed gRPC their last answer of version k to w, and w had it; the
+    first and the last gradient of step k were ready. Events (PS) only
+    where the PS traces were kept. Returns the medians (and ranges) over
+    workers and steps, and each direction's link load per tenth of the step
+    (bytes over what the link's payload rate carries), averaged over hosts
+    and steps. None without run.json or a shaped link."""
     path = os.path.join(directory, "run.json")
     if not os.path.exists(path):
         return None
@@ -196,6 +217,7 @@ def step_events(directory: str, bins: int = 10) -> dict | None:
         return None
     n = len(run["workers"])
     events = [_events(directory, w) for w in range(n)]
+    ps = _ps_events(directory)
     # The first layer's variable has the lowest key (keys follow the model's
     # variables; the forward requests many at once, so not the earliest read).
     first_reads = []  # per worker: step -> (key, name, value in)
@@ -207,7 +229,7 @@ def step_events(directory: str, bins: int = 10) -> dict | None:
                 if k not in reads or key < reads[k][0]:
                     reads[k] = (key, e["name"][len("read "):], e["args"]["forward_start_us"])
         first_reads.append(reads)
-    first_key = {k: name for k, (_, name, _) in first_reads[0].items()}
+    first_key = {k: (key, name) for k, (key, name, _) in first_reads[0].items()}
     first_layer_pushed = {}  # step -> when the last worker's push of the first layer ended
     all_pushed = {}  # step -> when the last worker's last push ended
     for w in range(n):
@@ -215,7 +237,7 @@ def step_events(directory: str, bins: int = 10) -> dict | None:
             if e.get("cat") == "push":
                 k, end = e["args"]["step"], e["ts"] + e["dur"]
                 all_pushed[k] = max(all_pushed.get(k, end), end)
-                if first_key.get(k + 1) in e["args"]["keys"]:
+                if first_key.get(k + 1, (None, None))[1] in e["args"]["keys"]:
                     first_layer_pushed[k] = max(first_layer_pushed.get(k, end), end)
     samples = run["link_bytes"]
     fractions = {name: [] for name in STEP_EVENTS}
@@ -230,17 +252,20 @@ def step_events(directory: str, bins: int = 10) -> dict | None:
         for k in range(WARMUP_STEPS, len(ends) - 1):
             begin, end = ends[k] * 1e6, ends[k + 1] * 1e6  # us, as the timelines
             ready = [e["ts"] for e in by["backward"] if e["args"]["step"] == k]
-            reads = [e["args"]["forward_start_us"] for e in by["forward"]
-                     if e["args"]["step"] == k]
             pushes = [e["ts"] + e["dur"] for e in by["push"] if e["args"]["step"] == k - 1]
             answers = [e["ts"] + e["dur"] for e in by["pull"] if e["args"]["version"] == k]
-            if not (ready and reads and pushes and answers and k - 1 in first_layer_pushed
-                    and k in first_reads[w]):
+            if not (ready and pushes and answers and k - 1 in first_layer_pushed
+                    and k in first_reads[w] and k in first_key):
                 continue
-            at = [max(pushes), all_pushed[k - 1], first_layer_pushed[k - 1], first_reads[w][k][2], max(reads),
-                  max(answers), min(ready), max(ready)]
+            sums = ps.get(("complete", k - 1), [])
+            first_sums = [t for key, t in sums if key == first_key[k][0]]
+            handed = ps.get(("answered", w, k))
+            at = [max(pushes), all_pushed[k - 1], max((t for _, t in sums), default=None),
+                  first_layer_pushed[k - 1], max(first_sums, default=None),
+                  first_reads[w][k][2], handed, max(answers), min(ready), max(ready)]
             for name, t in zip(STEP_EVENTS, at):
-                fractions[name].append((t - begin) / (end - begin))
+                if t is not None:
+                    fractions[name].append((t - begin) / (end - begin))
             edges = [ends[k] + (ends[k + 1] - ends[k]) * i / bins for i in range(bins + 1)]
             for name, counter in counters.items():
                 counts = [counter.at(t) for t in edges]
@@ -248,12 +273,13 @@ def step_events(directory: str, bins: int = 10) -> dict | None:
                     for i in range(bins):
                         loads[name][i].append((counts[i + 1] - counts[i])
                                               / ((ends[k + 1] - ends[k]) / bins * rate))
-    if not fractions[STEP_EVENTS[0]]:
+    found = {name: v for name, v in fractions.items() if v}
+    if not found:
         return None
-    return {"events": {name: statistics.median(v) for name, v in fractions.items()},
-            "events_range": {name: (min(v), max(v)) for name, v in fractions.items()},
+    return {"events": {name: statistics.median(v) for name, v in found.items()},
+            "events_range": {name: (min(v), max(v)) for name, v in found.items()},
             "link_load": {side: [statistics.fmean(v) if v else None for v in parts]
-                            for side, parts in loads.items()}}
+                          for side, parts in loads.items()}}
 
 
 def main(argv):

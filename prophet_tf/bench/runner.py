@@ -193,6 +193,9 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
                         cluster.ps_host_address(i), "--port", str(cluster.ps_port(i)),
                         "--num-workers", str(args.workers), "--ps-index", str(i),
                         "--num-ps", str(cluster.num_ps), "--port-file", port_file]
+                if args.timeline_dir:  # beside the workers' timelines
+                    os.makedirs(timelines, exist_ok=True)
+                    argv += ["--timeline", os.path.join(timelines, f"ps-{i}.json")]
                 log = open(os.path.join(workdir, f"{tag}-ps{i}.log"), "wb")
                 logs.append(log)
                 env = _env({"TF_NUM_INTEROP_THREADS": "1",
@@ -627,8 +630,8 @@ def _parse(argv):
                         help="compute-only runs (first reps); 0 = the profile's compute time")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--timeline-dir", default=None,
-                        help="keep each prophet_tf run's worker timelines here, with "
-                             "its step marks and link counters (run.json)")
+                        help="keep each prophet_tf run's worker and PS timelines here, "
+                             "with its step marks and link counters (run.json)")
     parser.add_argument("--suite", default=None, choices=sorted(suite_lib.SUITES),
                         help="run a grid of configurations into one JSON (paper: the "
                              "paper's models, bandwidths and worker counts; smoke: a "

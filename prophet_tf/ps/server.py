@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prophet_tf import codec
 from prophet_tf.ps import protocol, security, sharding
 from prophet_tf.ps.protocol import MAX_MESSAGE_BYTES, SERVICE_NAME, server_options
+from prophet_tf.ps.trace import PSTrace
 from prophet_tf.ps.v1 import ps_pb2
 
 __all__ = ["create_server", "main"]
@@ -182,6 +183,9 @@ def _parse_args(argv):
                         help=f"serve TLS with this certificate chain (or ${security.TLS_CERT_ENV})")
     parser.add_argument("--tls-key", default=None, metavar="PEM",
                         help=f"the certificate's private key (or ${security.TLS_KEY_ENV})")
+    parser.add_argument("--timeline", default=None, metavar="PATH",
+                        help="on exit, write when each partition's sum completed, was "
+                             "applied and answered (a Chrome trace; grows with the steps)")
     parser.add_argument("--insecure", action="store_true",
                         help="allow binding a non-loopback address without a token")
     return parser.parse_args(argv)
@@ -283,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"prophet-tf ps: {e}", file=sys.stderr)
         return 2
+    if args.timeline and not os.path.isdir(os.path.dirname(os.path.abspath(args.timeline))):
+        print(f"prophet-tf ps: --timeline must be in an existing directory (it is written "
+              f"on exit). Received: --timeline {args.timeline}", file=sys.stderr)
+        return 2
     codec.tune_allocator()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -291,12 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     from prophet_tf.ps.servicer import ParameterServerServicer  # imports TF: seconds
 
     failed = threading.Event()
+    trace = PSTrace(ps_index) if args.timeline else None
     servicer = ParameterServerServicer(
         num_workers, ps_index, num_ps, max_partition_bytes=args.max_partition_bytes,
         max_chunk_bytes=protocol.MAX_CHUNK_BYTES,
         worker_timeout_s=args.worker_timeout,
         startup_timeout_s=args.worker_startup_timeout, checkpoint=checkpoint_policy,
-        on_failure=lambda _message: failed.set())
+        on_failure=lambda _message: failed.set(), trace=trace)
     try:
         server, bound = create_server(f"{host}:{port}", servicer, token=token, tls=tls)
     except RuntimeError as e:
@@ -322,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     server.health.enter_graceful_shutdown()
     server.stop(args.grace).wait()
     servicer.close()
+    if trace:
+        try:
+            trace.write(args.timeline)
+        except OSError as e:
+            print(f"prophet-tf ps: could not write --timeline {args.timeline}: {e}",
+                  file=sys.stderr)
+            return 1
     return 1 if failed.is_set() else 0
 
 

@@ -43,6 +43,7 @@ from prophet_tf.ps import (aggregation, apply, gather, liveness, protocol, regis
                            verdicts)
 from prophet_tf.ps.keras_rpcs import KerasRPCs
 from prophet_tf.ps import checkpoint as checkpoint_lib
+from prophet_tf.ps import trace as trace_lib
 from prophet_tf.ps.errors import RejectionLog, RpcError, check_sender, invalid, precondition
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -77,6 +78,8 @@ class ParameterServerServicer(KerasRPCs):
             (or the one the workers resume from) at the first Register.
         on_failure: called once, on another thread, with the message when the
             job fails (a lost worker, a model conflict).
+        trace: where to record when each partition's sum completed, was
+            applied and answered (``trace.py``); None: not recorded.
     """
 
     def __init__(self, num_workers: int, ps_index: int = 0, num_ps: int = 1,
@@ -84,7 +87,8 @@ class ParameterServerServicer(KerasRPCs):
                  max_chunk_bytes: int | None = None, worker_timeout_s: float = 10.0,
                  startup_timeout_s: float = 300.0,
                  checkpoint: checkpoint_lib.CheckpointPolicy | None = None,
-                 on_failure: Callable[[str], None] | None = None):
+                 on_failure: Callable[[str], None] | None = None,
+                 trace: trace_lib.PSTrace | None = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1. Received: num_workers={num_workers}")
         if not 0 <= ps_index < num_ps:
@@ -105,6 +109,7 @@ class ParameterServerServicer(KerasRPCs):
         self.worker_timeout_s = float(worker_timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self._on_failure = on_failure
+        self._trace = trace
         self._checkpointer = checkpoint_lib.Checkpointer(checkpoint) if checkpoint else None
         self._lock = threading.Lock()  # model definition, versions, sums, liveness
         # Notified when a partition gets a version, fails, or the job fails:
@@ -187,13 +192,16 @@ class ParameterServerServicer(KerasRPCs):
                 self._unsent[pull] = unsent
             while left:
                 try:
-                    data = self._next_applied(left, request.min_version, context)
+                    got = self._next_applied(left, request.min_version, context)
                 except RpcError as e:
                     self._rejections.log("Pull", request, e)
                     context.abort(e.code, e.message)
-                if data is None:  # the client went away
+                if got is None:  # the client went away
                     return
+                part, data, version = got
                 yield data
+                if self._trace:
+                    self._trace.record("answered", part, version, request.worker_id)
                 # gRPC asks for the next answer once it has taken this one.
                 with self._lock:
                     unsent[2] = len(left)
@@ -302,6 +310,9 @@ class ParameterServerServicer(KerasRPCs):
                 for _, iteration, _ in accepted:
                     self._applier.set_learning_rate_locked(iteration, learning_rate)
             completed, duplicates = aggregation.add(accepted, wid, W)
+            if self._trace:
+                for part, step, _ in completed:
+                    self._trace.record("complete", part, step, wid)
             # A loss-scaled step waits for all workers' verdicts.
             updates = [self._update_locked(part, step, total, self._verdicts.wait_locked(
                 part, step, total) if model.loss_scaling else True)
@@ -357,6 +368,8 @@ class ParameterServerServicer(KerasRPCs):
 
     def _applied(self, part, version: int, encoded: bytes) -> None:
         """Publishes an applied update (on the apply thread)."""
+        if self._trace:
+            self._trace.record("applied", part, version)
         with self._lock:
             part.encoded, part.version = encoded, version
             part.arrived = set()
@@ -411,15 +424,17 @@ class ParameterServerServicer(KerasRPCs):
         return parts
 
     def _next_applied(self, left: list, min_version: int, context):
-        """Removes from ``left`` and returns the first partition (in ``left``'s
-        order) whose version is ``min_version`` or later, waiting until one
-        is: a pull gets each partition the moment it is applied, the most
-        urgent first among those ready. None when the client went away."""
+        """Removes from ``left`` the first partition (in ``left``'s order)
+        whose version is ``min_version`` or later, waiting until one is, and
+        returns it with its answer and version: a pull gets each partition
+        the moment it is applied, the most urgent first among those ready.
+        None when the client went away."""
         with self._lock:
             while True:
                 for i, part in enumerate(left):
                     if part.version >= min_version:
-                        return left.pop(i).encoded
+                        del left[i]
+                        return part, part.encoded, part.version
                 if self._failure:
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._failure)
                 failed = next((part for part in left if part.failed), None)

@@ -69,7 +69,15 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
     for path in records:
         record = json.loads(path.read_text())
         assert [len(w["step_times_s"]) for w in record["workers"]] == [9, 9]
-        assert sorted(path.parent.glob("worker-*.json")) != []
+        assert len(list(path.parent.glob("worker-*.json"))) == 2
+        # The PS tasks' traces, written as they exited: every partition's sum
+        # of every step complete, by one of the two workers.
+        for trace in sorted(path.parent.glob("ps-*.json")):
+            complete = [e for e in json.loads(trace.read_text())["traceEvents"]
+                        if e.get("cat") == "complete"]
+            assert {e["args"]["step"] for e in complete} == set(range(9)), trace
+            assert {e["args"]["worker"] for e in complete} <= {0, 1}
+        assert len(list(path.parent.glob("ps-*.json"))) == config["ps"]
         if config["shaping"] == "netns":
             assert record["payload_bytes_per_s"] == pytest.approx(
                 ideal.payload_bytes_per_s(BANDWIDTH_MBIT))

@@ -1,4 +1,5 @@
 """The `prophet-tf` entry point (`python -m prophet_tf`): usage, dispatch, exit codes."""
+import json
 import os
 import pathlib
 import signal
@@ -76,7 +77,7 @@ def test_ps_starts_and_exits_0_on_sigterm(tmp_path):
     with open(log, "wb") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prophet_tf", "ps", "--port", "0", "--num-workers", "1",
-             "--port-file", str(port_file)],
+             "--port-file", str(port_file), "--timeline", str(tmp_path / "ps.json")],
             env=dict(_env(), TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1"),
             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
@@ -96,6 +97,10 @@ def test_ps_starts_and_exits_0_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
         assert "listening on 127.0.0.1:" in log.read_text()
+        # Its trace is written on the way out: no model, so no partition events.
+        trace = json.loads((tmp_path / "ps.json").read_text())
+        assert [e["args"]["name"] for e in trace["traceEvents"]] == [
+            "ps 0", "complete", "applied", "answered"]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -107,3 +112,7 @@ def test_ps_bad_flags_exit_2():
     result = _run("ps", "--num-workers", "0", "--port", "0")
     assert result.returncode == 2
     assert "num_workers >= 1" in result.stderr
+    result = _run("ps", "--num-workers", "1", "--port", "0", "--timeline", "/no/such/ps.json")
+    assert result.returncode == 2
+    assert "--timeline must be in an existing directory" in result.stderr
+    assert "/no/such/ps.json" in result.stderr

@@ -24,6 +24,7 @@ from prophet_tf import keras_optimizer  # noqa: E402
 from prophet_tf.ps import protocol, sharding  # noqa: E402
 from prophet_tf.ps.protocol import PulledChunk  # noqa: E402
 from prophet_tf.ps.servicer import ParameterServerServicer  # noqa: E402
+from prophet_tf.ps.trace import PSTrace  # noqa: E402
 from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -449,6 +450,41 @@ def test_pull_sends_each_partition_the_moment_it_is_applied(ready):
     second = ps_pb2.ParameterChunk.FromString(next(stream))
     assert (second.key, second.partition, second.version) == (urgent.key, urgent.partition, 1)
     assert list(stream) == []
+
+
+def test_the_trace_places_each_partition_s_completion_apply_and_answer(make_servicer,
+                                                                       tmp_path):
+    trace = PSTrace(ps_index=0)
+    servicer = make_servicer(trace=trace)
+    cfg = config(keras.optimizers.SGD(1.0))
+    register(servicer, 0, cfg, initial())
+    register(servicer, 1, cfg)
+    parts = plan()
+    late = parts[-1]
+    t0 = time.monotonic_ns() / 1e3
+    push(servicer, 1, grad_chunks(ints(1), 0))
+    push(servicer, 0, grad_chunks(ints(0), 0, [late]))  # worker 0 completes one only
+    got = pull(servicer, 1, [late])[1]
+    assert got == {(late.key, late.partition): 1}
+    path = tmp_path / "ps-0.json"
+    trace.write(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "i"]
+    by_kind = {}
+    for e in events:
+        by_kind.setdefault(e["cat"], []).append(e)
+    # Only the partition both workers pushed is complete, by worker 0's push.
+    assert [(e["args"]["key"], e["args"]["partition"], e["args"]["step"], e["args"]["worker"])
+            for e in by_kind["complete"]] == [(late.key, late.partition, 0, 0)]
+    assert [(e["args"]["key"], e["args"]["version"]) for e in by_kind["applied"]] == [
+        (late.key, 1)]
+    assert [(e["args"]["key"], e["args"]["version"], e["args"]["worker"])
+            for e in by_kind["answered"]] == [(late.key, 1, 0)]
+    # In that order, on the monotonic clock the workers' timelines use.
+    complete, applied, answered = (by_kind[k][0]["ts"] for k in ("complete", "applied",
+                                                                 "answered"))
+    assert t0 <= complete <= applied <= answered <= time.monotonic_ns() / 1e3
+    with pytest.raises(ValueError, match="kind must be one of"):
+        trace.record("sent", servicer._parts[late.key, late.partition], 0)
 
 
 def test_pull_deadline(ready):

@@ -223,6 +223,11 @@ def phases_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fraction(x: float) -> str:
+    """Two decimals, without a "-0.00" for a hair before the step's start."""
+    return f"{0.0 if -0.005 < x < 0 else x:.2f}"
+
+
 def events_table(result: dict) -> str:
     """Markdown lines for the ``step_events`` of ``benchmarks/timeline_breakdown.py
     --json``: a row per event, a column per run, each the median fraction of
@@ -245,7 +250,8 @@ def events_table(result: dict) -> str:
         cells = []
         for n in names:
             low, high = runs[n]["events_range"][event]
-            cells.append(f"{runs[n]['events'][event]:.2f} ({low:.2f}–{high:.2f})")
+            median = runs[n]["events"][event]
+            cells.append(f"{_fraction(median)} ({_fraction(low)}–{_fraction(high)})")
         lines.append(f"| {event} | " + " | ".join(cells) + " |")
     bins = len(runs[names[0]]["link_load"]["sent"])
     for side, name in (("sent", "up"), ("received", "down")):

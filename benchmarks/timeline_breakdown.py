@@ -166,6 +166,40 @@ def answer_tails(directory: str) -> list[dict]:
     return rows
 
 
+def uplinks(directory: str) -> list[dict]:
+    """Per measured step k, what each host's uplink carried (colocated
+    layout: worker i and PS i share host i): its worker's pushes of step k
+    to the other hosts' PS tasks and its PS's answers of version k+1 to the
+    other hosts' workers, in MB, and when each ended (s from the step's
+    first gradient on any worker). A transfer's end is its arrival."""
+    n = len(glob.glob(os.path.join(directory, "worker-*.json")))
+    events = [_events(directory, w) for w in range(n)]
+    links = [_links(ev) for ev in events]
+    starts = {}
+    for ev in events:
+        for k, t in _backward_starts(ev).items():
+            starts[k] = min(t, starts.get(k, t))
+    rows = []
+    for k in sorted(starts)[WARMUP_STEPS:-1]:
+        hosts = []
+        for h in range(n):
+            pushed = [(e["ts"] + e["dur"], e["args"]["bytes"]) for e in events[h]
+                      if e.get("cat") == "push" and e["args"]["step"] == k
+                      and links[h][e["tid"]][1] != h]
+            answered = [(e["ts"] + e["dur"], e["args"]["bytes"]) for w in range(n) if w != h
+                        for e in events[w] if e.get("cat") == "pull"
+                        and e["args"]["version"] == k + 1 and links[w][e["tid"]][1] == h]
+            if not (pushed and answered):
+                break
+            hosts.append({"push_mb": sum(b for _, b in pushed) / 1e6,
+                          "push_end_s": (max(t for t, _ in pushed) - starts[k]) / 1e6,
+                          "answer_mb": sum(b for _, b in answered) / 1e6,
+                          "answer_end_s": (max(t for t, _ in answered) - starts[k]) / 1e6})
+        else:
+            rows.append({"step": k, "hosts": hosts})
+    return rows
+
+
 #: The events located in each measured step by :func:`step_events`; the
 #: ones marked (PS) come from the PS tasks' traces (``ps-<i>.json``).
 STEP_EVENTS = ("own last push of the step before", "every worker's last push",
@@ -284,18 +318,19 @@ def step_events(directory: str, bins: int = 10) -> dict | None:
 
 def main(argv):
     """Prints each run's breakdown; with ``--json OUT`` also writes each run's
-    per-step answer tails and, where the bench kept ``run.json``, its step
-    events (:func:`step_events`), keyed "<parent directory>/<run directory>",
+    per-step answer tails and uplinks (:func:`uplinks`) and, where the bench
+    kept ``run.json``, its step events (:func:`step_events`), keyed "<parent directory>/<run directory>",
     so the figures drawn from timelines too large to commit are kept."""
     out = None
     if argv[:1] == ["--json"]:
         out, argv = argv[1], argv[2:]
-    tails, placed = {}, {}
+    tails, placed, shares = {}, {}, {}
     for pattern in argv:
         for directory in sorted(glob.glob(pattern)):
             path = os.path.normpath(directory)
             run = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
             tails[run] = answer_tails(directory)
+            shares[run] = uplinks(directory)
             events = step_events(directory)
             if events:
                 placed[run] = events
@@ -314,6 +349,10 @@ def main(argv):
                       f"{r['tail_ms']:.0f} ms after its last push in, while worker "
                       f"{r['laggard_ps']} pushed {r['host_worker_push_mb']:.1f} MB of step "
                       f"{r['step'] + 1}")
+            for r in shares[run]:
+                print(f"  step {r['step']} uplinks, pushes | answers ended (s): " + "; ".join(
+                    f"host {h} {x['push_end_s']:.2f} | {x['answer_end_s']:.2f}"
+                    for h, x in enumerate(r["hosts"])))
             if events:
                 print("  in worker steps (median, range): " + "; ".join(
                     f"{name} {events['events'][name]:.3f} ({low:.3f} to {high:.3f})"
@@ -325,7 +364,7 @@ def main(argv):
         with open(out, "w") as f:
             json.dump({"command": "python benchmarks/timeline_breakdown.py --json OUT "
                                   + " ".join(argv), "answer_tails": tails,
-                       "step_events": placed}, f, indent=1)
+                       "step_events": placed, "uplinks": shares}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,12 @@ def test_an_events_table_has_a_row_per_event_and_a_column_per_run(tmp_path):
     assert "| link load up | 0.90 – | 0.60 – |" in text
     assert "| link load down | 0.45 1.00 | 0.30 1.00 |" in text
     assert "per 50% of the step" in text and "`python t.py`" in text
+    # An event a hair before the step's start reads 0.00, not -0.00.
+    early = run(0.0, 0.5)
+    early["events_range"]["last answer in"] = [-0.001, 0.01]
+    (tmp_path / "e.json").write_text(json.dumps({"command": "c", "step_events": {"r": early}}))
+    assert report.main([str(md)]) == 0
+    assert "| last answer in | 0.00 (0.00–0.01) |" in md.read_text()
 
 
 def test_bad_markers_name_what_was_received(tmp_path):

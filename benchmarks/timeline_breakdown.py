@@ -171,7 +171,8 @@ def uplinks(directory: str) -> list[dict]:
     layout: worker i and PS i share host i): its worker's pushes of step k
     to the other hosts' PS tasks and its PS's answers of version k+1 to the
     other hosts' workers, in MB, and when each ended (s from the step's
-    first gradient on any worker). A transfer's end is its arrival."""
+    first gradient on any worker), and how far apart the hosts' pushes
+    ended. A transfer's end is its arrival."""
     n = len(glob.glob(os.path.join(directory, "worker-*.json")))
     events = [_events(directory, w) for w in range(n)]
     links = [_links(ev) for ev in events]
@@ -196,7 +197,8 @@ def uplinks(directory: str) -> list[dict]:
                           "answer_mb": sum(b for _, b in answered) / 1e6,
                           "answer_end_s": (max(t for t, _ in answered) - starts[k]) / 1e6})
         else:
-            rows.append({"step": k, "hosts": hosts})
+            ends = [x["push_end_s"] for x in hosts]
+            rows.append({"step": k, "hosts": hosts, "push_end_spread_s": max(ends) - min(ends)})
     return rows
 
 
@@ -352,7 +354,8 @@ def main(argv):
             for r in shares[run]:
                 print(f"  step {r['step']} uplinks, pushes | answers ended (s): " + "; ".join(
                     f"host {h} {x['push_end_s']:.2f} | {x['answer_end_s']:.2f}"
-                    for h, x in enumerate(r["hosts"])))
+                    for h, x in enumerate(r["hosts"])) + f" (pushes {r['push_end_spread_s']:.2f} "
+                      "s apart)")
             if events:
                 print("  in worker steps (median, range): " + "; ".join(
                     f"{name} {events['events'][name]:.3f} ({low:.3f} to {high:.3f})"

@@ -34,8 +34,8 @@ A push ends when the PS's reply arrives, which may wait behind answers in
 the same connection, so the PS's own trace (``ps-<i>.json``, kept by the
 bench too) adds when each sum was complete and each answer handed to gRPC.
 """
+import functools
 import glob
-import itertools
 import json
 import os
 import re
@@ -47,6 +47,7 @@ from prophet_tf.bench import link_load
 WARMUP_STEPS = 8
 
 
+@functools.lru_cache(maxsize=None)  # each analysis reads the same timelines
 def _events(directory: str, worker: int) -> list:
     with open(os.path.join(directory, f"worker-{worker}.json")) as f:
         return json.load(f)["traceEvents"]
@@ -275,16 +276,12 @@ def step_events(directory: str, bins: int = 10) -> dict | None:
                 all_pushed[k] = max(all_pushed.get(k, end), end)
                 if first_key.get(k + 1, (None, None))[1] in e["args"]["keys"]:
                     first_layer_pushed[k] = max(first_layer_pushed.get(k, end), end)
-    samples = run["link_bytes"]
     fractions = {name: [] for name in STEP_EVENTS}
-    loads = {"sent": [[] for _ in range(bins)], "received": [[] for _ in range(bins)]}
-    for host, w in run["host_worker"].items():
-        r = run["workers"][w]
-        ends = list(itertools.accumulate(r["step_times_s"], initial=r["train_window"][0]))
+    for w in run["host_worker"].values():
+        ends = link_load.step_ends(run["workers"][w])
         by = {}
         for e in events[w]:
             by.setdefault(e.get("cat"), []).append(e)
-        counters = {name: link_load.Counter(samples, host, side) for name, side in link_load.SIDES}
         for k in range(WARMUP_STEPS, len(ends) - 1):
             begin, end = ends[k] * 1e6, ends[k + 1] * 1e6  # us, as the timelines
             ready = [e["ts"] for e in by["backward"] if e["args"]["step"] == k]
@@ -302,20 +299,16 @@ def step_events(directory: str, bins: int = 10) -> dict | None:
             for name, t in zip(STEP_EVENTS, at):
                 if t is not None:
                     fractions[name].append((t - begin) / (end - begin))
-            edges = [ends[k] + (ends[k + 1] - ends[k]) * i / bins for i in range(bins + 1)]
-            for name, counter in counters.items():
-                counts = [counter.at(t) for t in edges]
-                if None not in counts:
-                    for i in range(bins):
-                        loads[name][i].append((counts[i + 1] - counts[i])
-                                              / ((ends[k + 1] - ends[k]) / bins * rate))
     found = {name: v for name, v in fractions.items() if v}
     if not found:
         return None
+    # The bench's own link_phases over the same steps, averaged over the hosts.
+    phases = link_load.link_phases(run["link_bytes"], run["workers"], run["host_worker"],
+                                   WARMUP_STEPS, rate, bins)
     return {"events": {name: statistics.median(v) for name, v in found.items()},
             "events_range": {name: (min(v), max(v)) for name, v in found.items()},
-            "link_load": {side: [statistics.fmean(v) if v else None for v in parts]
-                          for side, parts in loads.items()}}
+            "link_load": {side: [statistics.fmean(part) for part in zip(*filter(None, hosts))]
+                          for side, hosts in phases.items()}}
 
 
 def main(argv):

@@ -11,8 +11,9 @@ can take it up to ``ideal.TCP_FRAMING``.
 - :func:`link_loads`: each host's load over the measured steps;
 - :func:`link_phases`: each host's load in each equal part of its worker's
   step, averaged over the measured steps (where in the step a link idles);
-- :func:`counter_at`: a host's counter at any time, for readers that place
-  the load beside other events (benchmarks/timeline_breakdown.py).
+- :class:`Counter`: a host's counter at any time, and :func:`step_ends`: a
+  worker's steps, for readers that place the load beside other events
+  (benchmarks/timeline_breakdown.py).
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ PHASE_BINS = 10
 #: The two directions: index into a sample's (received, sent), by JSON name.
 SIDES = (("sent", 1), ("received", 0))
 
-__all__ = ["PHASE_BINS", "SIDES", "Counter", "busiest_load", "counter_at", "link_loads",
-           "link_phases", "median_loads"]
+__all__ = ["PHASE_BINS", "SIDES", "Counter", "busiest_load", "link_loads", "link_phases",
+           "median_loads", "step_ends"]
 
 
 class Counter:
@@ -49,9 +50,15 @@ class Counter:
         return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
 
 
-def counter_at(samples: list, host, side: int, t: float) -> float | None:
-    """A host's byte counter (``side``: 0 received, 1 sent) at ``t``."""
-    return Counter(samples, host, side).at(t)
+def step_ends(report: dict) -> list[float]:
+    """A worker's batch ends, after the start of its first batch (monotonic s)."""
+    return list(itertools.accumulate(report["step_times_s"], initial=report["train_window"][0]))
+
+
+def _per_host(samples: list, load) -> dict:
+    """Per direction and host (sorted), ``load(counter, host)``."""
+    return {name: [load(Counter(samples, h, side), h) for h in sorted(samples[0][1])]
+            for name, side in SIDES}
 
 
 def link_loads(samples: list, window: tuple[float, float],
@@ -62,16 +69,11 @@ def link_loads(samples: list, window: tuple[float, float],
     begin, end = window
     if end <= begin or not samples:
         return None
-    loads = {}
-    for name, side in SIDES:
-        per_host = []
-        for h in sorted(samples[0][1]):
-            counter = Counter(samples, h, side)
-            a, b = counter.at(begin), counter.at(end)
-            per_host.append(None if a is None or b is None
-                            else (b - a) / ((end - begin) * payload_bytes_per_s))
-        loads[name] = per_host
-    return loads
+
+    def load(counter, _host):
+        a, b = counter.at(begin), counter.at(end)
+        return None if a is None or b is None else (b - a) / ((end - begin) * payload_bytes_per_s)
+    return _per_host(samples, load)
 
 
 def link_phases(samples: list, reports: list[dict], host_worker: dict, warmup: int,
@@ -83,25 +85,20 @@ def link_phases(samples: list, reports: list[dict], host_worker: dict, warmup: i
     host was not sampled over a step."""
     if not samples:
         return None
-    phases = {}
-    for name, side in SIDES:
-        per_host = []
-        for h in sorted(samples[0][1]):
-            counter = Counter(samples, h, side)
-            r = reports[host_worker.get(h, 0)]
-            ends = list(itertools.accumulate(r["step_times_s"], initial=r["train_window"][0]))
-            sums, steps = [0.0] * bins, 0
-            for begin, end in zip(ends[warmup:], ends[warmup + 1:]):
-                counts = [counter.at(begin + (end - begin) * k / bins) for k in range(bins + 1)]
-                if end <= begin or None in counts:
-                    continue
-                part_bytes = (end - begin) / bins * payload_bytes_per_s
-                for k in range(bins):
-                    sums[k] += (counts[k + 1] - counts[k]) / part_bytes
-                steps += 1
-            per_host.append([x / steps for x in sums] if steps else None)
-        phases[name] = per_host
-    return phases
+
+    def loads(counter, host):
+        ends = step_ends(reports[host_worker.get(host, 0)])
+        sums, steps = [0.0] * bins, 0
+        for begin, end in zip(ends[warmup:], ends[warmup + 1:]):
+            counts = [counter.at(begin + (end - begin) * k / bins) for k in range(bins + 1)]
+            if end <= begin or None in counts:
+                continue
+            part_bytes = (end - begin) / bins * payload_bytes_per_s
+            for k in range(bins):
+                sums[k] += (counts[k + 1] - counts[k]) / part_bytes
+            steps += 1
+        return [x / steps for x in sums] if steps else None
+    return _per_host(samples, loads)
 
 
 def median_loads(runs: list[dict | None]) -> dict | None:

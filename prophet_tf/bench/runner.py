@@ -181,6 +181,8 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
     """One training run (``options``: the scheduler's); returns the workers' reports."""
     tag = f"{scheduler}-{time.monotonic_ns()}"
     timelines = os.path.join(args.timeline_dir or workdir, tag)
+    if args.timeline_dir:  # the PS tasks' traces and run.json go there too
+        os.makedirs(timelines, exist_ok=True)
     launched = time.monotonic()
     logs, procs = [], []
     try:
@@ -194,7 +196,6 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
                         "--num-workers", str(args.workers), "--ps-index", str(i),
                         "--num-ps", str(cluster.num_ps), "--port-file", port_file]
                 if args.timeline_dir:  # beside the workers' timelines
-                    os.makedirs(timelines, exist_ok=True)
                     argv += ["--timeline", os.path.join(timelines, f"ps-{i}.json")]
                 log = open(os.path.join(workdir, f"{tag}-ps{i}.log"), "wb")
                 logs.append(log)
@@ -288,18 +289,15 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
         # batch of the last worker to get there (monotonic clocks are system-wide).
         starts = [r["train_window"][0] for r in reports if "train_window" in r]
         startup = max(starts) - launched if starts else None
-        loads = phases = None  # a compute run has no steps; an unshaped link no rate
+        loads = phases = rate = None  # a compute run has no steps; an unshaped link no rate
+        host_worker = {cluster.worker_host(j): j for j in range(len(reports))}
         if framework != "local" and cluster.network and cluster.network.bandwidth_mbit:
             rate = ideal_lib.payload_bytes_per_s(cluster.network.bandwidth_mbit)
             loads = link_load.link_loads(link_bytes, _measured_window(reports, WARMUP_STEPS),
                                          rate)
-            phases = link_load.link_phases(link_bytes, reports,
-                                  {cluster.worker_host(j): j for j in range(len(reports))},
-                                  WARMUP_STEPS, rate)
+            phases = link_load.link_phases(link_bytes, reports, host_worker, WARMUP_STEPS, rate)
         if args.timeline_dir:
-            _keep_run_record(timelines, reports, link_bytes,
-                             {cluster.worker_host(j): j for j in range(len(reports))},
-                             loads and rate)
+            _keep_run_record(timelines, reports, link_bytes, host_worker, rate)
         return {"reports": reports, "cpu_busy": busy, "message_costs": costs,
                 "startup_s": startup, "link_load": loads, "link_phases": phases}
     finally:
@@ -315,8 +313,8 @@ def _keep_run_record(directory: str, reports: list[dict], link_bytes: list[tuple
     timelines use, so a step's link load can be read beside its events
     (benchmarks/timeline_breakdown.py), and the links' payload rate (None:
     not shaped)."""
-    os.makedirs(directory, exist_ok=True)
-    record = {"payload_bytes_per_s": payload_bytes_per_s, "workers": [{"train_window": r["train_window"], "step_times_s": r["step_times_s"]}
+    record = {"payload_bytes_per_s": payload_bytes_per_s,
+              "workers": [{"train_window": r["train_window"], "step_times_s": r["step_times_s"]}
                           for r in reports],
               "host_worker": {str(h): j for h, j in host_worker.items()},
               "link_bytes": [[t, {str(h): c for h, c in counts.items()}]

@@ -162,5 +162,5 @@ def test_a_host_counter_interpolates_inside_its_samples_only():
     assert sent.at(0.25) == pytest.approx(25.0)
     assert sent.at(2.0) == pytest.approx(300.0)  # across the gap, between 1 s and 3 s
     assert sent.at(-0.1) is None and sent.at(3.1) is None
-    assert link_load.counter_at(samples, 0, 0, 0.5) == pytest.approx(5.0)
+    assert link_load.Counter(samples, 0, 0).at(0.5) == pytest.approx(5.0)
     assert link_load.Counter([], 0, 1).at(0.0) is None

@@ -4,9 +4,55 @@ import json
 import pytest
 
 from cluster import child_env, run_prophet
-from prophet_tf.bench import ideal, link_load, netns, runner
+from prophet_tf.bench import breakdown, ideal, link_load, netns, runner
 
 BANDWIDTH_MBIT = 100.0
+WARMUP = 2  # of the smoke run's 9 steps: the analyses measure steps 2 to 7
+
+
+def check_breakdown(directory, record, result):
+    """The timeline analyses (benchmarks/timeline_breakdown.py) on a real run."""
+    directory = str(directory)
+    config = result["config"]
+    times = breakdown.breakdown(directory, warmup=WARMUP)
+    assert 0 <= times["push_busy_in_backward"] <= 1
+    assert 0 < times["first_pull_ms"] <= times["last_pull_ms"], times
+    (median, low, high), = breakdown.phase_offsets(directory, warmup=WARMUP).values()
+    assert low <= median <= high
+    tails = breakdown.answer_tails(directory, warmup=WARMUP)
+    assert [r["step"] for r in tails] == list(range(WARMUP, 8))
+    assert all(r["spread_ms"] >= 0 and r["laggard_ps"] in (0, 1) and len(r["last_in_ms"]) == 2
+               for r in tails)
+    # Host h's uplink carries its worker's pushes to the other PS task and its
+    # PS task's answers to the other worker: both are one PS task's share.
+    rows = breakdown.uplinks(directory, warmup=WARMUP)
+    assert [r["step"] for r in rows] == list(range(WARMUP, 8))
+    for r in rows:
+        a, b = r["hosts"]
+        assert a["push_mb"] == pytest.approx(b["answer_mb"])
+        assert b["push_mb"] == pytest.approx(a["answer_mb"])
+        assert a["push_mb"] + b["push_mb"] == pytest.approx(config["model_bytes"] / 1e6)
+        assert r["push_end_spread_s"] == pytest.approx(abs(a["push_end_s"] - b["push_end_s"]))
+    events = breakdown.step_events(directory, warmup=WARMUP)
+    if not record["payload_bytes_per_s"]:
+        assert events is None  # no shaped link: no link load to place events beside
+        return
+    at = events["events"]
+    assert set(at) == set(breakdown.STEP_EVENTS)
+    for name, (low, high) in events["events_range"].items():
+        assert low <= at[name] <= high, name
+    # What causality orders (one monotonic clock on this machine): a sum is
+    # complete before the push's reply arrives, applied before it is answered,
+    # handed to gRPC before it arrives; a step's gradients end it.
+    slack = 0.02
+    assert at["first layer's sum complete (PS)"] <= at["first layer's pushes all in"] + slack
+    assert at["first layer's sum complete (PS)"] <= at["first layer's parameter in"] + slack
+    assert at["last sum complete (PS)"] <= at["every worker's last push"] + slack
+    assert at["last answer handed to gRPC (PS)"] <= at["last answer in"] + slack
+    assert at["first gradient ready"] <= at["last gradient ready"] <= 1 + slack
+    assert all(len(load) == 10 and all(x is None or 0 <= x < ideal.TCP_FRAMING * 1.05
+                                       for x in load)
+               for load in events["link_load"].values()), events["link_load"]
 
 
 @pytest.mark.timeout(420)
@@ -83,6 +129,7 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
                 ideal.payload_bytes_per_s(BANDWIDTH_MBIT))
             assert sorted(record["host_worker"].values()) == [0, 1]
             assert len(record["link_bytes"]) > 10
+        check_breakdown(path.parent, record, result)
     assert "fifo" in proc.stdout and "prophet" in proc.stdout  # the table
     if netns.available()[0]:
         assert set(netns.list_ours()) == before  # torn down

@@ -1,0 +1,368 @@
+"""Where a bench run's step time goes, read from the worker timelines.
+
+    python benchmarks/timeline_breakdown.py [--json OUT] DIR [DIR ...]
+
+DIR is a run directory under ``prophet-tf bench --timeline-dir`` (it holds
+``worker-<i>.json``). For worker 0, for every measured step k (after the
+bench's warm-up steps; every analysis takes ``warmup``), times are taken
+from the first gradient of step k becoming ready: the end of backprop (last
+gradient ready), the end of the last push of step k, the first and last
+pulled partition of version k+1, and the moment the last parameter of step
+k+1's forward was there; then the median over the steps. Also the time the
+push link was busy while backprop ran (a scheduler that holds gradients back
+leaves it idle), and how far the workers drift apart: each other worker's
+start of backprop minus worker 0's, per step (median and range). Synchronous
+workers out of phase load their hosts' links in turns, so each link idles
+while the other is busy.
+
+Then, per measured step, where the workers' start of the next step spreads
+(with a PS on every worker's host): each worker's last parameter of version
+k+1 in, their spread (last minus first), and the PS whose answers ended
+last: how long after the last push into it its answers went on, and how many
+bytes of step k+1 the worker on its host pushed to other PS tasks meanwhile.
+A worker whose parameters are all in starts the next step and pushes; on its
+host's uplink those pushes share the link with its PS's answers to the
+workers still waiting, so the first worker's lead makes the others' wait
+longer.
+
+Last, where in each worker's own step (batch end to batch end, as the
+bench's ``link_phases``) the step's exchange ends: when the worker's and
+every worker's last push of the step before ended, when the first layer's
+value arrived, when the last answer arrived, when the first and the last
+gradient were ready; beside the link load in each tenth of the step, from
+the interface counters the bench keeps in ``run.json`` with the timelines.
+A push ends when the PS's reply arrives, which may wait behind answers in
+the same connection, so the PS's own trace (``ps-<i>.json``, kept by the
+bench too) adds when each sum was complete and each answer handed to gRPC.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import re
+import statistics
+
+from prophet_tf.bench import link_load
+from prophet_tf.bench.runner import WARMUP_STEPS
+
+__all__ = ["breakdown", "phase_offsets", "answer_tails", "uplinks", "step_events",
+           "STEP_EVENTS", "main"]
+
+
+@functools.lru_cache(maxsize=None)  # each analysis reads the same timelines
+def _events(directory: str, worker: int) -> list:
+    with open(os.path.join(directory, f"worker-{worker}.json")) as f:
+        return json.load(f)["traceEvents"]
+
+
+def _backward_starts(events: list) -> dict:
+    """Step -> when its first gradient became ready (us)."""
+    starts = {}
+    for e in events:
+        if e.get("cat") == "backward":
+            step = e["args"]["step"]
+            starts[step] = min(e["ts"], starts.get(step, e["ts"]))
+    return starts
+
+
+def phase_offsets(directory: str, warmup: int = WARMUP_STEPS) -> dict:
+    """Worker w -> (median, min, max) over the measured steps of its start of
+    backprop minus worker 0's, in ms."""
+    paths = glob.glob(os.path.join(directory, "worker-*.json"))
+    starts = [_backward_starts(_events(directory, w)) for w in range(len(paths))]
+    out = {}
+    for w in range(1, len(starts)):
+        offsets = [(starts[w][k] - t) / 1e3 for k, t in starts[0].items()
+                   if k >= warmup and k in starts[w]]
+        if offsets:
+            out[w] = (statistics.median(offsets), min(offsets), max(offsets))
+    return out
+
+
+def breakdown(directory: str, worker: int = 0, warmup: int = WARMUP_STEPS) -> dict:
+    events = _events(directory, worker)
+    by = {}
+    for e in events:
+        by.setdefault(e.get("cat"), []).append(e)
+    steps = sorted({e["args"]["step"] for e in by.get("backward", [])})
+    rows = []
+    for k in steps[warmup:-1]:
+        ready = [e["ts"] for e in by["backward"] if e["args"]["step"] == k]
+        pushes = [(e["ts"], e["ts"] + e["dur"]) for e in by.get("push", [])
+                  if e["args"]["step"] == k]
+        pulls = [e["ts"] + e["dur"] for e in by.get("pull", []) if e["args"]["version"] == k + 1]
+        reads = [e["args"]["forward_start_us"] for e in by.get("forward", [])
+                 if e["args"]["step"] == k + 1]
+        if not (ready and pushes and pulls and reads):
+            continue
+        t0, t1 = min(ready), max(ready)
+        busy, last = 0.0, t0
+        for a, b in sorted(pushes):  # union of push intervals within backprop
+            a, b = max(a, last), min(b, t1)
+            if b > a:
+                busy += b - a
+                last = b
+        rows.append({"backward_ms": (t1 - t0) / 1e3,
+                     "last_push_end_ms": (max(b for _, b in pushes) - t0) / 1e3,
+                     "first_pull_ms": (min(pulls) - t0) / 1e3,
+                     "last_pull_ms": (max(pulls) - t0) / 1e3,
+                     "last_param_in_ms": (max(reads) - t0) / 1e3,
+                     "push_busy_in_backward": busy / max(t1 - t0, 1e-9)})
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
+
+
+def _links(events: list) -> dict:
+    """tid -> (direction, PS index) from the trace's thread names."""
+    out = {}
+    for e in events:
+        if e.get("name") == "thread_name":
+            m = re.match(r"(push|pull) (?:to|from) PS (\d+)$", e["args"]["name"])
+            if m:
+                out[e["tid"]] = (m.group(1), int(m.group(2)))
+    return out
+
+
+def answer_tails(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
+    """Per measured step k: each worker's last parameter of version k+1 in
+    (ms from worker 0's start of backprop k), the spread, and the PS whose
+    answers ended last with its tail and its host worker's step-(k+1) pushes
+    in that tail (MB)."""
+    n = len(glob.glob(os.path.join(directory, "worker-*.json")))
+    events = [_events(directory, w) for w in range(n)]
+    links = [_links(ev) for ev in events]
+    starts = _backward_starts(events[0])
+    rows = []
+    for k in sorted(starts)[warmup:-1]:
+        push_in, answered, last_in = {}, {}, []
+        for w in range(n):
+            ends = []
+            for e in events[w]:
+                kind = links[w].get(e.get("tid"))
+                if kind is None or e.get("cat") not in ("push", "pull"):
+                    continue
+                end = e["ts"] + e["dur"]
+                ps = kind[1]
+                if kind[0] == "push" and e["args"]["step"] == k:
+                    push_in[ps] = max(push_in.get(ps, end), end)
+                elif kind[0] == "pull" and e["args"]["version"] == k + 1:
+                    answered[ps] = max(answered.get(ps, end), end)
+                    ends.append(end)
+            if ends:
+                last_in.append(max(ends))
+        if len(last_in) < n or not answered:
+            continue
+        ps = max(answered, key=answered.get)
+        a, b = push_in.get(ps, answered[ps]), answered[ps]
+        ahead = 0.0
+        if ps < n:  # the worker on the laggard PS's host (colocated layout)
+            for e in events[ps]:
+                kind = links[ps].get(e.get("tid"))
+                if (kind and e.get("cat") == "push" and kind[1] != ps
+                        and e["args"]["step"] == k + 1):
+                    s, t = e["ts"], e["ts"] + e["dur"]
+                    if t > a and s < b:  # bytes spread evenly over the push
+                        ahead += e["args"]["bytes"] * (min(t, b) - max(s, a)) / max(t - s, 1e-9)
+        t0 = starts[k]
+        rows.append({"step": k, "last_in_ms": [(t - t0) / 1e3 for t in last_in],
+                     "spread_ms": (max(last_in) - min(last_in)) / 1e3, "laggard_ps": ps,
+                     "tail_ms": (b - a) / 1e3, "host_worker_push_mb": ahead / 1e6})
+    return rows
+
+
+def uplinks(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
+    """Per measured step k, what each host's uplink carried (colocated
+    layout: worker i and PS i share host i): its worker's pushes of step k
+    to the other hosts' PS tasks and its PS's answers of version k+1 to the
+    other hosts' workers, in MB, and when each ended (s from the step's
+    first gradient on any worker), and how far apart the hosts' pushes
+    ended. A transfer's end is its arrival."""
+    n = len(glob.glob(os.path.join(directory, "worker-*.json")))
+    events = [_events(directory, w) for w in range(n)]
+    links = [_links(ev) for ev in events]
+    starts = {}
+    for ev in events:
+        for k, t in _backward_starts(ev).items():
+            starts[k] = min(t, starts.get(k, t))
+    rows = []
+    for k in sorted(starts)[warmup:-1]:
+        hosts = []
+        for h in range(n):
+            pushed = [(e["ts"] + e["dur"], e["args"]["bytes"]) for e in events[h]
+                      if e.get("cat") == "push" and e["args"]["step"] == k
+                      and links[h][e["tid"]][1] != h]
+            answered = [(e["ts"] + e["dur"], e["args"]["bytes"]) for w in range(n) if w != h
+                        for e in events[w] if e.get("cat") == "pull"
+                        and e["args"]["version"] == k + 1 and links[w][e["tid"]][1] == h]
+            if not (pushed and answered):
+                break
+            hosts.append({"push_mb": sum(b for _, b in pushed) / 1e6,
+                          "push_end_s": (max(t for t, _ in pushed) - starts[k]) / 1e6,
+                          "answer_mb": sum(b for _, b in answered) / 1e6,
+                          "answer_end_s": (max(t for t, _ in answered) - starts[k]) / 1e6})
+        else:
+            ends = [x["push_end_s"] for x in hosts]
+            rows.append({"step": k, "hosts": hosts, "push_end_spread_s": max(ends) - min(ends)})
+    return rows
+
+
+#: The events located in each measured step by :func:`step_events`; the
+#: ones marked (PS) come from the PS tasks' traces (``ps-<i>.json``).
+STEP_EVENTS = ("own last push of the step before", "every worker's last push",
+               "last sum complete (PS)", "first layer's pushes all in",
+               "first layer's sum complete (PS)", "first layer's parameter in",
+               "last answer handed to gRPC (PS)", "last answer in",
+               "first gradient ready", "last gradient ready")
+
+
+def _ps_events(directory: str) -> dict:
+    """From the PS traces: ("complete", step) -> [(key, t)]; ("answered",
+    worker, version) -> latest t (us)."""
+    out = {}
+    for path in glob.glob(os.path.join(directory, "ps-*.json")):
+        with open(path) as f:
+            for e in json.load(f)["traceEvents"]:
+                args = e.get("args", {})
+                if e.get("cat") == "complete":
+                    out.setdefault(("complete", args["step"]), []).append((args["key"], e["ts"]))
+                elif e.get("cat") == "answered":
+                    at = ("answered", args["worker"], args["version"])
+                    out[at] = max(out.get(at, e["ts"]), e["ts"])
+    return out
+
+
+def step_events(directory: str, bins: int = 10, warmup: int = WARMUP_STEPS) -> dict | None:
+    """Where in each worker's own step its events fall, beside its host's
+    link load through the step: needs the ``run.json`` the bench keeps with
+    the timelines. A step is the span between two batch ends of the worker
+    (the bench's ``link_phases`` use the same steps). Per measured step k
+    of worker w, as fractions of that span (the order of ``STEP_EVENTS``):
+    w's last push of step k-1 ended; every worker's had; the PS tasks had
+    the last partition's sum of step k-1 complete; every worker's push
+    carrying the first layer had ended, and its PS had its sum complete; w
+    had the first layer's value for the forward of step k; the PS tasks had
+    handed gRPC their last answer of version k to w, and w had it; the
+    first and the last gradient of step k were ready. Events (PS) only
+    where the PS traces were kept. Returns the medians (and ranges) over
+    workers and steps, and each direction's link load per tenth of the step
+    (bytes over what the link's payload rate carries), averaged over hosts
+    and steps. None without run.json or a shaped link."""
+    path = os.path.join(directory, "run.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        run = json.load(f)
+    rate = run["payload_bytes_per_s"]
+    if not rate:
+        return None
+    n = len(run["workers"])
+    events = [_events(directory, w) for w in range(n)]
+    ps = _ps_events(directory)
+    # The first layer's variable has the lowest key (keys follow the model's
+    # variables; the forward requests many at once, so not the earliest read).
+    first_reads = []  # per worker: step -> (key, name, value in)
+    for w in range(n):
+        reads = {}
+        for e in events[w]:
+            if e.get("cat") == "forward":
+                k, key = e["args"]["step"], e["args"]["key"]
+                if k not in reads or key < reads[k][0]:
+                    reads[k] = (key, e["name"][len("read "):], e["args"]["forward_start_us"])
+        first_reads.append(reads)
+    first_key = {k: (key, name) for k, (key, name, _) in first_reads[0].items()}
+    first_layer_pushed = {}  # step -> when the last worker's push of the first layer ended
+    all_pushed = {}  # step -> when the last worker's last push ended
+    for w in range(n):
+        for e in events[w]:
+            if e.get("cat") == "push":
+                k, end = e["args"]["step"], e["ts"] + e["dur"]
+                all_pushed[k] = max(all_pushed.get(k, end), end)
+                if first_key.get(k + 1, (None, None))[1] in e["args"]["keys"]:
+                    first_layer_pushed[k] = max(first_layer_pushed.get(k, end), end)
+    fractions = {name: [] for name in STEP_EVENTS}
+    for w in run["host_worker"].values():
+        ends = link_load.step_ends(run["workers"][w])
+        by = {}
+        for e in events[w]:
+            by.setdefault(e.get("cat"), []).append(e)
+        for k in range(warmup, len(ends) - 1):
+            begin, end = ends[k] * 1e6, ends[k + 1] * 1e6  # us, as the timelines
+            ready = [e["ts"] for e in by["backward"] if e["args"]["step"] == k]
+            pushes = [e["ts"] + e["dur"] for e in by["push"] if e["args"]["step"] == k - 1]
+            answers = [e["ts"] + e["dur"] for e in by["pull"] if e["args"]["version"] == k]
+            if not (ready and pushes and answers and k - 1 in first_layer_pushed
+                    and k in first_reads[w] and k in first_key):
+                continue
+            sums = ps.get(("complete", k - 1), [])
+            first_sums = [t for key, t in sums if key == first_key[k][0]]
+            handed = ps.get(("answered", w, k))
+            at = [max(pushes), all_pushed[k - 1], max((t for _, t in sums), default=None),
+                  first_layer_pushed[k - 1], max(first_sums, default=None),
+                  first_reads[w][k][2], handed, max(answers), min(ready), max(ready)]
+            for name, t in zip(STEP_EVENTS, at):
+                if t is not None:
+                    fractions[name].append((t - begin) / (end - begin))
+    found = {name: v for name, v in fractions.items() if v}
+    if not found:
+        return None
+    # The bench's own link_phases over the same steps, averaged over the hosts.
+    phases = link_load.link_phases(run["link_bytes"], run["workers"], run["host_worker"],
+                                   warmup, rate, bins)
+    return {"events": {name: statistics.median(v) for name, v in found.items()},
+            "events_range": {name: (min(v), max(v)) for name, v in found.items()},
+            "link_load": {side: [statistics.fmean(part) for part in zip(*filter(None, hosts))]
+                          for side, hosts in phases.items()}}
+
+
+def main(argv):
+    """Prints each run's breakdown; with ``--json OUT`` also writes each run's
+    per-step answer tails and uplinks (:func:`uplinks`) and, where the bench
+    kept ``run.json``, its step events (:func:`step_events`), keyed
+    "<parent directory>/<run directory>", so the figures drawn from timelines
+    too large to commit are kept."""
+    out = None
+    if argv[:1] == ["--json"]:
+        out, argv = argv[1], argv[2:]
+    tails, placed, shares = {}, {}, {}
+    for pattern in argv:
+        for directory in sorted(glob.glob(pattern)):
+            path = os.path.normpath(directory)
+            run = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+            tails[run] = answer_tails(directory)
+            shares[run] = uplinks(directory)
+            events = step_events(directory)
+            if events:
+                placed[run] = events
+            b = breakdown(directory)
+            if b:
+                print(os.path.basename(directory.rstrip("/")) + ": " + ", ".join(
+                    f"{k} {v:.2f}" if k == "push_busy_in_backward" else f"{k} {v:.0f}"
+                    for k, v in b.items()))
+            for w, (median, low, high) in phase_offsets(directory).items():
+                print(f"  worker {w} backprop starts {median:+.1f} ms from worker 0's "
+                      f"(median; {low:+.1f} to {high:+.1f})")
+            for r in tails[next(reversed(tails))]:
+                print(f"  step {r['step']}: parameters in at "
+                      f"{', '.join(f'{t:.0f}' for t in r['last_in_ms'])} ms (spread "
+                      f"{r['spread_ms']:.0f}); PS {r['laggard_ps']} answered "
+                      f"{r['tail_ms']:.0f} ms after its last push in, while worker "
+                      f"{r['laggard_ps']} pushed {r['host_worker_push_mb']:.1f} MB of step "
+                      f"{r['step'] + 1}")
+            for r in shares[run]:
+                print(f"  step {r['step']} uplinks, pushes | answers ended (s): " + "; ".join(
+                    f"host {h} {x['push_end_s']:.2f} | {x['answer_end_s']:.2f}"
+                    for h, x in enumerate(r["hosts"])) + f" (pushes {r['push_end_spread_s']:.2f} "
+                      "s apart)")
+            if events:
+                print("  in worker steps (median, range): " + "; ".join(
+                    f"{name} {events['events'][name]:.3f} ({low:.3f} to {high:.3f})"
+                    for name, (low, high) in events["events_range"].items()))
+                for side, load in events["link_load"].items():
+                    print(f"  link load {side} per tenth: "
+                          + " ".join("-" if x is None else f"{x:.2f}" for x in load))
+    if out:
+        with open(out, "w") as f:
+            json.dump({"command": "python benchmarks/timeline_breakdown.py --json OUT "
+                                  + " ".join(argv), "answer_tails": tails,
+                       "step_events": placed, "uplinks": shares}, f, indent=1)

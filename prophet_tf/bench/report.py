@@ -112,7 +112,7 @@ def _caption(config: dict, runs: str) -> str:
 
 #: What may differ between the runs of one ``runs`` table (the bench records
 #: it only since it exists).
-_RUN_SETTINGS = ("answers_first",)
+_RUN_SETTINGS = ("answers_first", "pushes_first")
 
 
 def runs_table(runs: list[tuple[str, dict]]) -> str:

@@ -111,7 +111,8 @@ def _caption(config: dict, runs: str) -> str:
 
 
 #: What may differ between the runs of one ``runs`` table (the bench records
-#: it only since it exists).
+#: it only since it exists; pushes_first only at the experiment's commit,
+#: 24fed3e, see the README's "Where the links stand idle").
 _RUN_SETTINGS = ("answers_first", "pushes_first")
 
 

@@ -478,7 +478,6 @@ def run_bench(args, out=sys.stdout) -> dict:
               "global_batch": args.global_batch, "schedulers": names, "shaping": shaping,
               # The workers inherit the bench's environment (runs A/B it with "0").
               "answers_first": os.environ.get(engine_lib.ANSWERS_FIRST_ENV, "1") != "0",
-              "pushes_first": os.environ.get(engine_lib.PUSHES_FIRST_ENV, "0") == "1",
               "num_params": profile["num_params"], "model_bytes": profile["trainable_bytes"],
               "compute_s": compute_s, "compute_s_all": [r["step_time_s"] for r in runs["compute"]],
               "ideal": bound, "threads": {"intra_op": models.INTRA_OP_THREADS,

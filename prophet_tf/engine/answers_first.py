@@ -48,8 +48,7 @@ class AnswersFirst:
     POLL_S = 0.005
 
     def __init__(self, config: cluster_lib.ClusterConfig, clients: Sequence,
-                 stop: threading.Event, max_wait_s: float,
-                 parts_per_ps: Sequence[int] | None = None):
+                 stop: threading.Event, max_wait_s: float):
         host_of = cluster_lib.address_host
         host = host_of(config.workers[config.task_index])
         self.local_ps = [i for i, a in enumerate(config.ps) if host_of(a) == host]
@@ -60,12 +59,6 @@ class AnswersFirst:
         self._lock = threading.Lock()  # One sender asks; the others wait for its answer.
         self._cleared = -1  # pushes of steps up to this one go without asking
         self.waited_s = 0.0  # total, for logs and tests
-        # Pushes first (ps/holds.py): partitions a step pushes to other hosts;
-        # once all are acknowledged the local PS tasks may answer the next version.
-        self._remote_parts = None if parts_per_ps is None else sum(
-            n for i, n in enumerate(parts_per_ps) if i not in self.local_ps)
-        self._acked: dict[int, int] = {}  # step -> its partitions acknowledged by other hosts
-        self._notice_failed = False
 
     @property
     def active(self) -> bool:
@@ -103,29 +96,3 @@ class AnswersFirst:
                 time.sleep(self.POLL_S)
             self.waited_s += time.monotonic() - start
             self._cleared = step
-
-    def acknowledged(self, ps_index: int, steps: Sequence[int]) -> None:
-        """A push to ``ps_index`` of partitions of ``steps`` (one entry per
-        partition) was acknowledged. Once every partition of a step reached the
-        other hosts, tells the local PS tasks (``Pushed``): their answers of
-        the next version no longer compete with this worker's pushes."""
-        if not self.applies_to(ps_index) or not self._remote_parts:
-            return
-        done = []  # The engine calls this under its lock: one caller at a time.
-        for step in steps:
-            self._acked[step] = self._acked.get(step, 0) + 1
-            if self._acked[step] == self._remote_parts:
-                del self._acked[step]
-                done.append(step)
-        for step in done:
-            for client in self._clients:
-                client.pushed_future(step, self.other_workers, timeout=self._max_wait_s) \
-                    .add_done_callback(self._notice_sent)
-
-    def _notice_sent(self, future) -> None:
-        try:
-            future.result()
-        except Exception as e:  # noqa: BLE001 - the PS's holds lapse on their own.
-            if not self._notice_failed:
-                self._notice_failed = True
-                logger.warning("pushes first: the local PS did not take a Pushed notice (%s)", e)

@@ -47,8 +47,6 @@ logger = logging.getLogger(__name__)
 SCHEDULER_ENV = "PROPHET_TF_SCHEDULER"
 #: "0" turns answers-first off (prophet_tf.engine.answers_first); for A/B runs.
 ANSWERS_FIRST_ENV = "PROPHET_TF_ANSWERS_FIRST"
-#: "1" turns pushes-first on (prophet_tf.ps.holds); for A/B runs.
-PUSHES_FIRST_ENV = "PROPHET_TF_PUSHES_FIRST"
 
 
 class Engine:
@@ -175,11 +173,8 @@ class Engine:
                          for address in self.config.ps]
         for client in self._clients:
             client.wait_ready(self.rpc_timeout_s)
-        pushes_first = os.environ.get(PUSHES_FIRST_ENV, "0") == "1"
-        self._answers = AnswersFirst(
-            self.config, self._clients, self._stop, max_wait_s=self.rpc_timeout_s,
-            parts_per_ps=[len(dispatch.pull_order(i)) for i in range(self.config.num_ps)]
-            if pushes_first else None) \
+        self._answers = AnswersFirst(self.config, self._clients, self._stop,
+                                     max_wait_s=self.rpc_timeout_s) \
             if self.answers_first else None
         # Heartbeats start before Register: registering may wait for worker
         # 0's values, and a worker that dies meanwhile must be noticed too.
@@ -339,8 +334,6 @@ class Engine:
                 sum(i.nbytes for i in block), block[0].iteration, start, end))
         with self._lock:
             self._dispatch.on_sent(block, start, end)
-            if self._answers is not None:
-                self._answers.acknowledged(ps_index, [item.iteration for item in block])
             self._drain_locked()
             self._idle.notify_all()
 

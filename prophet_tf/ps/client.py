@@ -95,9 +95,6 @@ class PSClient:
         self._owed = self._channel.unary_unary(
             method + "Owed", request_serializer=ps_pb2.OwedRequest.SerializeToString,
             response_deserializer=ps_pb2.OwedResponse.FromString)
-        self._pushed = self._channel.unary_unary(
-            method + "Pushed", request_serializer=ps_pb2.PushedRequest.SerializeToString,
-            response_deserializer=ps_pb2.PushedResponse.FromString)
         self._gather = self._channel.unary_unary(
             method + "Gather", request_serializer=ps_pb2.GatherRequest.SerializeToString,
             response_deserializer=ps_pb2.GatherResponse.FromString)
@@ -252,12 +249,6 @@ class PSClient:
         request = ps_pb2.OwedRequest(worker_id=self.worker_id, max_version=max_version,
                                      workers=list(workers))
         return self._owed(request, timeout=timeout).partitions
-
-    def pushed_future(self, step: int, workers: Iterable[int], timeout: float | None = None):
-        """Tells the PS that this worker has pushed all of ``step`` to other
-        hosts: its answers of version step+1 to ``workers`` may go."""
-        request = ps_pb2.PushedRequest(worker_id=self.worker_id, step=step, workers=list(workers))
-        return self._pushed.future(request, timeout=timeout)
 
     def gather(self, round_id: int, payload: bytes, timeout: float | None = None) -> list[bytes]:
         """One all-gather round: every worker's payload of ``round_id``, in worker order."""

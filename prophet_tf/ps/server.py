@@ -100,9 +100,6 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
         "Owed": grpc.unary_unary_rpc_method_handler(
             servicer.Owed, request_deserializer=protocol.tolerant_parser(ps_pb2.OwedRequest),
             response_serializer=ps_pb2.OwedResponse.SerializeToString),
-        "Pushed": grpc.unary_unary_rpc_method_handler(
-            servicer.Pushed, request_deserializer=protocol.tolerant_parser(ps_pb2.PushedRequest),
-            response_serializer=ps_pb2.PushedResponse.SerializeToString),
         "Gather": grpc.unary_unary_rpc_method_handler(
             servicer.Gather,
             request_deserializer=protocol.tolerant_parser(ps_pb2.GatherRequest),

@@ -23,8 +23,7 @@ It owns the locking and wires the concerns together, each in its module:
   partition reaches the version asked for (of those ready, the first named);
   ``Owed`` tells how many partitions some workers' pulls still wait for (a
   worker on this PS's host holds its pushes to other hosts meanwhile:
-  ``prophet_tf/engine/answers_first.py``); ``holds.py``: answers that wait
-  for that worker's pushes (``Pushed``).
+  ``prophet_tf/engine/answers_first.py``).
 
 Locks: ``_lock`` (the state: model definition, versions, sums, liveness) and
 the applier's lock (the optimizer and the variables). Where both are held,
@@ -40,8 +39,8 @@ from typing import Callable, Iterator
 
 import grpc
 
-from prophet_tf.ps import (aggregation, apply, gather, holds, liveness, protocol, registration,
-                           sharding, verdicts)
+from prophet_tf.ps import (aggregation, apply, gather, liveness, protocol, registration, sharding,
+                           verdicts)
 from prophet_tf.ps.keras_rpcs import KerasRPCs
 from prophet_tf.ps import checkpoint as checkpoint_lib
 from prophet_tf.ps import trace as trace_lib
@@ -132,7 +131,6 @@ class ParameterServerServicer(KerasRPCs):
         self._pulls = collections.Counter()  # worker -> pulls in progress
         # pull -> [worker, min_version, partitions not yet sent]: what Owed reports.
         self._unsent: dict[object, list[int]] = {}
-        self._holds = holds.AnswerHolds()  # answers that wait for a pusher on this host
         self._rejections = RejectionLog()
         self._closed = False
         self._liveness = liveness.Liveness(
@@ -161,9 +159,6 @@ class ParameterServerServicer(KerasRPCs):
 
     def Owed(self, request, context):
         return self._answer(self._owed, "Owed", request, context)
-
-    def Pushed(self, request, context):
-        return self._answer(self._pushed, "Pushed", request, context)
 
     def Verdict(self, request, context):
         return self._answer(lambda r: self._verdict(r, context), "Verdict", request, context)
@@ -197,8 +192,7 @@ class ParameterServerServicer(KerasRPCs):
                 self._unsent[pull] = unsent
             while left:
                 try:
-                    got = self._next_applied(left, request.worker_id, request.min_version,
-                                             context)
+                    got = self._next_applied(left, request.min_version, context)
                 except RpcError as e:
                     self._rejections.log("Pull", request, e)
                     context.abort(e.code, e.message)
@@ -429,20 +423,18 @@ class ParameterServerServicer(KerasRPCs):
                 parts.append(part)
         return parts
 
-    def _next_applied(self, left: list, worker: int, min_version: int, context):
+    def _next_applied(self, left: list, min_version: int, context):
         """Removes from ``left`` the first partition (in ``left``'s order)
         whose version is ``min_version`` or later, waiting until one is, and
         returns it with its answer and version: a pull gets each partition
-        the moment it is applied, the most urgent first among those ready,
-        unless a pusher on this host holds ``worker``'s answers (holds.py).
+        the moment it is applied, the most urgent first among those ready.
         None when the client went away."""
         with self._lock:
             while True:
-                ready = next((i for i, part in enumerate(left) if part.version >= min_version),
-                             None)
-                if ready is not None and not self._holds.held_locked(worker, min_version):
-                    part = left.pop(ready)
-                    return part, part.encoded, part.version
+                for i, part in enumerate(left):
+                    if part.version >= min_version:
+                        del left[i]
+                        return part, part.encoded, part.version
                 if self._failure:
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._failure)
                 failed = next((part for part in left if part.failed), None)
@@ -479,18 +471,6 @@ class ParameterServerServicer(KerasRPCs):
                        if worker in workers and version <= request.max_version)
         return ps_pb2.OwedResponse(partitions=owed)
 
-    def _pushed(self, request):
-        check_sender(request, "a PushedRequest", self.num_workers)
-        if request.step < 0:
-            raise invalid(f"step must be >= 0. Received: step={request.step}")
-        bad = sorted(w for w in set(request.workers) if not 0 <= w < self.num_workers)
-        if bad:
-            raise invalid(f"workers must be in [0, {self.num_workers}). Received: workers={bad}")
-        with self._lock:
-            if self._holds.pushed_locked(request.worker_id, request.step, request.workers):
-                self._published.notify_all()
-        return ps_pb2.PushedResponse()
-
     # ------------------------------------------------------------- liveness
 
     def _heartbeat(self, request):
@@ -498,8 +478,6 @@ class ParameterServerServicer(KerasRPCs):
         with self._lock:
             if self._failure:
                 return ps_pb2.HeartbeatResponse(failure=self._failure)
-            if request.leaving:
-                self._holds.forget_locked(request.worker_id)
             if self._liveness.heartbeat_locked(request.worker_id, request.steps_pushed,
                                                request.leaving):
                 self._notify_all_locked()  # pulls that now can never complete fail

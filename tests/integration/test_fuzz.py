@@ -72,8 +72,7 @@ BY_ID = {(p.key, p.partition): p for p in PLAN}
 # The RPCs under fuzz and the message each takes.
 REQUESTS = {"Register": ps_pb2.RegisterRequest, "Push": ps_pb2.PushRequest,
             "Pull": ps_pb2.PullRequest, "Heartbeat": ps_pb2.HeartbeatRequest,
-            "Owed": ps_pb2.OwedRequest, "Pushed": ps_pb2.PushedRequest,
-            "Gather": ps_pb2.GatherRequest,
+            "Owed": ps_pb2.OwedRequest, "Gather": ps_pb2.GatherRequest,
             "Verdict": ps_pb2.GatherRequest}
 METHODS = tuple(REQUESTS)
 GATHER_ROUNDS = 4  # the fuzz's Gathers name these rounds; real rounds use them after it
@@ -163,9 +162,6 @@ def gather_bytes(worker_id, round_id, payload=b"") -> bytes:
 def owed_bytes(worker_id, max_version, workers=()) -> bytes:
     return (f_varint(1, worker_id) + f_varint(2, max_version)
             + b"".join(f_varint(3, w) for w in workers))
-
-
-pushed_bytes = owed_bytes  # PushedRequest has the same fields: worker_id, step, workers
 
 
 # ------------------------------------------------------------------ the model
@@ -269,9 +265,6 @@ def possibly_valid(method, payload, state) -> bool | str:
     if method == "Owed":
         return (0 <= message.worker_id < W and message.max_version >= 0
                 and all(0 <= w < W for w in message.workers))
-    if method == "Pushed":
-        return (0 <= message.worker_id < W and message.step >= 0
-                and all(0 <= w < W for w in message.workers))
     if method == "Gather":  # a valid one would join (or open) a round
         return 0 <= message.worker_id < W and message.round >= 0
     if method == "Verdict":  # the fuzz's model does not scale the loss: every verdict is refused
@@ -353,7 +346,6 @@ class Fuzzer:
             "Register": lambda: register_bytes(worker_id=r.randrange(W)),
             "Heartbeat": lambda: heartbeat_bytes(r.randrange(W), v),
             "Owed": lambda: owed_bytes(r.randrange(W), v, range(W)),
-            "Pushed": lambda: pushed_bytes(r.randrange(W), v, range(W)),
             "Gather": lambda: gather_bytes(r.randrange(W), r.randrange(GATHER_ROUNDS),
                                            r.randbytes(r.randint(0, 8))),
             "Verdict": lambda: gather_bytes(r.randrange(W), v, b"\x01"),
@@ -598,19 +590,6 @@ class Fuzzer:
         workers.insert(r.randrange(len(workers) + 1), self.bad_int(INT32 + (W,)))
         return Case("owed/workers", "Owed", owed_bytes(r.randrange(W), 0, workers))
 
-    def pushed(self):
-        r = self.rng
-        kind = r.randrange(3)
-        if kind == 0:
-            return Case("pushed/worker_id", "Pushed",
-                        pushed_bytes(self.bad_int(INT32 + (W,)), 0, range(W)))
-        if kind == 1:
-            return Case("pushed/step", "Pushed",
-                        pushed_bytes(r.randrange(W), r.choice((-1, -2**63)), range(W)))
-        workers = [r.randrange(W) for _ in range(r.randrange(4))]
-        workers.insert(r.randrange(len(workers) + 1), self.bad_int(INT32 + (W,)))
-        return Case("pushed/workers", "Pushed", pushed_bytes(r.randrange(W), 0, workers))
-
     def gather(self):
         r = self.rng
         wid, round_id = r.randrange(W), r.randrange(GATHER_ROUNDS)
@@ -847,7 +826,7 @@ def run_fuzz(start_ps, total, seed):
         sent = 0
         while sent < max(100, total // 20):
             case = rng.choice((lambda: fuzzer.register(fresh=True), fuzzer.push, fuzzer.pull,
-                               fuzzer.heartbeat, fuzzer.owed, fuzzer.pushed, fuzzer.gather))()
+                               fuzzer.heartbeat, fuzzer.owed, fuzzer.gather))()
             result = fire(case)
             if result:
                 counts[result] += 1
@@ -873,7 +852,7 @@ def run_fuzz(start_ps, total, seed):
         # 3. The fuzz, on 4 threads: gRPC calls, raw connections, valid probes.
         families = ((fuzzer.random_bytes, 20), (fuzzer.mutated, 25), (fuzzer.push, 30),
                     (fuzzer.pull, 8), (fuzzer.register, 6), (fuzzer.heartbeat, 3),
-                    (fuzzer.owed, 3), (fuzzer.pushed, 3), (fuzzer.gather, 5),
+                    (fuzzer.owed, 3), (fuzzer.gather, 5),
                     (lambda: fuzzer.raw(ps.port), 8))
         makers = [m for m, weight in families for _ in range(weight)]
         lock = threading.Lock()

@@ -304,33 +304,6 @@ def test_owed_counts_what_waiting_pulls_were_not_sent_and_holds_answers_first(mo
         assert fragment in error.details()
 
 
-@pytest.mark.timeout(90)
-def test_pushes_first_holds_the_next_versions_answers_until_the_step_reached_other_hosts(
-        model, ps2):
-    _, version = current(model)
-    # Worker 0 shares a host with PS 0; worker 1 and PS 1 (two partitions a step) do not.
-    config = cluster_lib.ClusterConfig(
-        workers=("127.0.0.1:1", "127.0.0.2:1"), ps=(ps2.address, "127.0.0.2:2"),
-        task_type="worker", task_index=0)
-    gate = AnswersFirst(config, [model[0], None], threading.Event(), max_wait_s=30,
-                        parts_per_ps=[len(PARTITIONS), 2])
-    try:
-        gate.acknowledged(0, [version] * len(PARTITIONS))  # loopback pushes do not count
-        gate.acknowledged(1, [version])
-        gate.acknowledged(1, [version])  # step `version` reached PS 1: PS 0 is told
-        run_step(model, version)
-        assert pull_all(model[1], version + 1)[1] == {version + 1}
-        run_step(model, version + 1)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            held = pool.submit(pull_all, model[1], version + 2)
-            time.sleep(0.5)
-            assert not held.done()  # worker 0 has not pushed all of step version+1
-            gate.acknowledged(1, [version + 1, version + 1])
-            assert held.result(30)[1] == {version + 2}
-    finally:  # the module's PS must not hold worker 1's answers for the next tests
-        model[0].pushed_future(2**62, []).result(10)
-
-
 def test_answers_first_stays_off_on_one_host():
     local = cluster_lib.ClusterConfig(workers=("127.0.0.1:1", "127.0.0.1:2"),
                                       ps=("127.0.0.1:3",), task_type="worker", task_index=1)

@@ -164,3 +164,25 @@ def test_a_runs_table_has_a_row_per_run_and_scheduler_of_one_configuration(tmp_p
         report.render(md.read_text(), str(tmp_path))
     md.write_text("<!-- table: runs none-*.json -->\n<!-- end table -->\n")
     assert report.main([str(md), "--check"]) == 2
+
+
+def test_the_pushes_first_prose_matches_its_runs():
+    """The README's reading of the pushes-first runs (tried and reverted)."""
+    import statistics
+    text = " ".join((ROOT / "README.md").read_text().split())
+
+    def median_step(setting):
+        paths = sorted((ROOT / "benchmarks").glob(f"pushes-first-inceptionv3-4w-{setting}-*.json"))
+        assert len(paths) == 4
+        return statistics.median(json.loads(p.read_text())["results"][0]["step_time_s"] * 1e3
+                                 for p in paths)
+    on, off = median_step("on"), median_step("off")
+    assert f"Prophet's median step was {on:.1f} ms against {off:.1f} ms, {on / off:.2f}x" in text
+    spreads = json.loads((ROOT / "benchmarks/step-events-inceptionv3-4w-pushes-first.json")
+                         .read_text())["uplinks"]
+
+    def spread(setting):
+        s = [r["push_end_spread_s"] for run, rows in spreads.items() if f"-{setting}-" in run
+             for r in rows]
+        return f"{min(s):.2f}–{max(s):.2f} s apart (median {statistics.median(s):.2f} s"
+    assert f"{spread('on')} over the 12 measured steps) instead of {spread('off')};" in text

@@ -1,4 +1,4 @@
-"""Where a bench run's step time goes, read from the worker timelines.
+"""Where a bench run's step time goes, read from the worker and PS timelines.
 
     python benchmarks/timeline_breakdown.py [--json OUT] DIR [DIR ...]
 
@@ -57,6 +57,20 @@ def _events(directory: str, worker: int) -> list:
         return json.load(f)["traceEvents"]
 
 
+def _workers(directory: str) -> list[list]:
+    """Every worker's timeline events, in worker order."""
+    n = len(glob.glob(os.path.join(directory, "worker-*.json")))
+    return [_events(directory, w) for w in range(n)]
+
+
+def _by_category(events: list) -> dict:
+    """Category ("push", "pull", "backward", ...) -> its events."""
+    by = {}
+    for e in events:
+        by.setdefault(e.get("cat"), []).append(e)
+    return by
+
+
 def _backward_starts(events: list) -> dict:
     """Step -> when its first gradient became ready (us)."""
     starts = {}
@@ -70,8 +84,7 @@ def _backward_starts(events: list) -> dict:
 def phase_offsets(directory: str, warmup: int = WARMUP_STEPS) -> dict:
     """Worker w -> (median, min, max) over the measured steps of its start of
     backprop minus worker 0's, in ms."""
-    paths = glob.glob(os.path.join(directory, "worker-*.json"))
-    starts = [_backward_starts(_events(directory, w)) for w in range(len(paths))]
+    starts = [_backward_starts(events) for events in _workers(directory)]
     out = {}
     for w in range(1, len(starts)):
         offsets = [(starts[w][k] - t) / 1e3 for k, t in starts[0].items()
@@ -82,10 +95,7 @@ def phase_offsets(directory: str, warmup: int = WARMUP_STEPS) -> dict:
 
 
 def breakdown(directory: str, worker: int = 0, warmup: int = WARMUP_STEPS) -> dict:
-    events = _events(directory, worker)
-    by = {}
-    for e in events:
-        by.setdefault(e.get("cat"), []).append(e)
+    by = _by_category(_events(directory, worker))
     steps = sorted({e["args"]["step"] for e in by.get("backward", [])})
     rows = []
     for k in steps[warmup:-1]:
@@ -129,8 +139,8 @@ def answer_tails(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     (ms from worker 0's start of backprop k), the spread, and the PS whose
     answers ended last with its tail and its host worker's step-(k+1) pushes
     in that tail (MB)."""
-    n = len(glob.glob(os.path.join(directory, "worker-*.json")))
-    events = [_events(directory, w) for w in range(n)]
+    events = _workers(directory)
+    n = len(events)
     links = [_links(ev) for ev in events]
     starts = _backward_starts(events[0])
     rows = []
@@ -178,8 +188,8 @@ def uplinks(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     other hosts' workers, in MB, and when each ended (s from the step's
     first gradient on any worker), and how far apart the hosts' pushes
     ended. A transfer's end is its arrival."""
-    n = len(glob.glob(os.path.join(directory, "worker-*.json")))
-    events = [_events(directory, w) for w in range(n)]
+    events = _workers(directory)
+    n = len(events)
     links = [_links(ev) for ev in events]
     starts = {}
     for ev in events:
@@ -283,9 +293,7 @@ def step_events(directory: str, bins: int = 10, warmup: int = WARMUP_STEPS) -> d
     fractions = {name: [] for name in STEP_EVENTS}
     for w in run["host_worker"].values():
         ends = link_load.step_ends(run["workers"][w])
-        by = {}
-        for e in events[w]:
-            by.setdefault(e.get("cat"), []).append(e)
+        by = _by_category(events[w])
         for k in range(warmup, len(ends) - 1):
             begin, end = ends[k] * 1e6, ends[k + 1] * 1e6  # us, as the timelines
             ready = [e["ts"] for e in by["backward"] if e["args"]["step"] == k]
@@ -336,13 +344,13 @@ def main(argv):
                 placed[run] = events
             b = breakdown(directory)
             if b:
-                print(os.path.basename(directory.rstrip("/")) + ": " + ", ".join(
+                print(os.path.basename(path) + ": " + ", ".join(
                     f"{k} {v:.2f}" if k == "push_busy_in_backward" else f"{k} {v:.0f}"
                     for k, v in b.items()))
             for w, (median, low, high) in phase_offsets(directory).items():
                 print(f"  worker {w} backprop starts {median:+.1f} ms from worker 0's "
                       f"(median; {low:+.1f} to {high:+.1f})")
-            for r in tails[next(reversed(tails))]:
+            for r in tails[run]:
                 print(f"  step {r['step']}: parameters in at "
                       f"{', '.join(f'{t:.0f}' for t in r['last_in_ms'])} ms (spread "
                       f"{r['spread_ms']:.0f}); PS {r['laggard_ps']} answered "

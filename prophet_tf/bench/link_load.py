@@ -13,7 +13,7 @@ can take it up to ``ideal.TCP_FRAMING``.
   step, averaged over the measured steps (where in the step a link idles);
 - :class:`Counter`: a host's counter at any time, and :func:`step_ends`: a
   worker's steps, for readers that place the load beside other events
-  (benchmarks/timeline_breakdown.py).
+  (bench/breakdown.py).
 """
 from __future__ import annotations
 

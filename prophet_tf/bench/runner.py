@@ -311,7 +311,7 @@ def _keep_run_record(directory: str, reports: list[dict], link_bytes: list[tuple
     """Writes ``run.json`` beside the run's timelines: each worker's step
     marks and the raw interface counters, all on the monotonic clock the
     timelines use, so a step's link load can be read beside its events
-    (benchmarks/timeline_breakdown.py), and the links' payload rate (None:
+    (bench/breakdown.py), and the links' payload rate (None:
     not shaped)."""
     record = {"payload_bytes_per_s": payload_bytes_per_s,
               "workers": [{"train_window": r["train_window"], "step_times_s": r["step_times_s"]}

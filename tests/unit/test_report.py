@@ -1,6 +1,7 @@
 """The README's result tables are rendered from, and checked against, committed JSON."""
 import json
 import pathlib
+import statistics
 
 import pytest
 
@@ -168,7 +169,6 @@ def test_a_runs_table_has_a_row_per_run_and_scheduler_of_one_configuration(tmp_p
 
 def test_the_pushes_first_prose_matches_its_runs():
     """The README's reading of the pushes-first runs (tried and reverted)."""
-    import statistics
     text = " ".join((ROOT / "README.md").read_text().split())
 
     def median_step(setting):

@@ -8,6 +8,12 @@ has arrived. The PS never reads the payloads.
 Every worker runs the same rounds in the same order, and waits for each
 round before it starts the next, so only a few rounds are ever open; a
 client that opens more than :data:`MAX_OPEN_ROUNDS` is refused.
+
+A complete round is kept until no worker's latest call names it, not until
+each worker's call has fetched it: a worker whose call ended at its deadline
+retries the round, and the PS may still count the first call's fetch (its
+deadline is later than the client's, or its answer was in flight). The last
+round of a job stays until the PS exits.
 """
 from __future__ import annotations
 
@@ -27,7 +33,9 @@ _POLL_SECONDS = 1.0
 class _Round:
     def __init__(self, num_workers: int):
         self.payloads: list[bytes | None] = [None] * num_workers
-        self.fetched = 0
+
+    def complete(self) -> bool:
+        return all(p is not None for p in self.payloads)
 
 
 class Gatherer:
@@ -51,6 +59,7 @@ class Gatherer:
         self._what, self._same_calls = what, same_calls
         self._cond = threading.Condition()
         self._rounds: dict[int, _Round] = {}
+        self._latest: list[int | None] = [None] * num_workers  # each worker's last round
 
     def wake(self) -> None:
         """Wakes the waiting calls (the job failed)."""
@@ -82,17 +91,12 @@ class Gatherer:
                 raise invalid(f"Worker {worker_id} sent another payload for {self._what} "
                               f"{round_id}: {self._same_calls}. Received: round={round_id}")
             entry.payloads[worker_id] = payload
+            self._moved_on_locked(worker_id, round_id)
             self._cond.notify_all()
         while True:
             with self._cond:
                 missing = [i for i, p in enumerate(entry.payloads) if p is None]
                 if not missing:
-                    # A worker's retry can leave its earlier call waiting past
-                    # its deadline: more fetches than workers, and the round
-                    # may already be gone (or reopened) when the last returns.
-                    entry.fetched += 1
-                    if entry.fetched >= self.num_workers and self._rounds.get(round_id) is entry:
-                        del self._rounds[round_id]
                     return list(entry.payloads)
             # Outside this lock: the check takes the servicer's, which holds it
             # while it wakes the waiting calls.
@@ -103,7 +107,7 @@ class Gatherer:
                     f"{self._what.capitalize()} {round_id} can never be complete: {message} "
                     f"({self._same_calls})"))
             with self._cond:
-                if all(p is not None for p in entry.payloads):
+                if entry.complete():
                     continue
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
@@ -114,3 +118,12 @@ class Gatherer:
                     raise RpcError(grpc.StatusCode.CANCELLED, "the client went away")
                 self._cond.wait(_POLL_SECONDS if remaining is None
                                 else min(remaining, _POLL_SECONDS))
+
+    def _moved_on_locked(self, worker_id: int, round_id: int) -> None:
+        """Worker ``worker_id`` called for ``round_id``: it is done with its
+        previous round, which goes once complete and no worker's latest."""
+        previous, self._latest[worker_id] = self._latest[worker_id], round_id
+        entry = self._rounds.get(previous)
+        if (previous != round_id and entry is not None and entry.complete()
+                and previous not in self._latest):
+            del self._rounds[previous]

@@ -39,10 +39,11 @@ def gather_all(servicer, round_id, payloads):
 
 def test_gather_gives_every_worker_all_payloads_in_worker_order(make_servicer):
     servicer = make_servicer(num_workers=3)
-    for round_id in range(3):  # rounds are forgotten once all have their answer
+    for round_id in range(3):
         payloads = [f"w{w}r{round_id}".encode() for w in range(3)]
         assert gather_all(servicer, round_id, payloads) == {w: payloads for w in range(3)}
-    assert servicer._gatherer._rounds == {}
+        # A round is forgotten once every worker has called for the next one.
+        assert list(servicer._gatherer._rounds) == [round_id]
 
 
 def test_gather_rejects_bad_requests_naming_them(make_servicer):
@@ -80,7 +81,28 @@ def test_a_retry_beside_its_still_waiting_first_call_completes_the_round_once(ma
     assert gather_all(servicer, 0, [b"a", b"b"]) == {0: [b"a", b"b"], 1: [b"a", b"b"]}
     waiting.join(30)
     assert first["answer"] == [b"a", b"b"]
-    assert servicer._gatherer._rounds == {}
+    assert gather_all(servicer, 1, [b"c", b"d"]) == {0: [b"c", b"d"], 1: [b"c", b"d"]}
+    assert list(servicer._gatherer._rounds) == [1]
+
+
+def test_a_retry_after_its_first_call_fetched_the_round_still_gets_the_answer(make_servicer):
+    # Worker 0's client gave up on its first call, but the PS's side of it was
+    # still waiting (its deadline comes later than the client's) and took the
+    # answer along with worker 1. The retry must find the round, not open a
+    # new one that worker 1 never joins.
+    servicer = make_servicer(num_workers=2)
+    first = threading.Thread(target=lambda: servicer.Gather(
+        gather_request(0, 0, b"a"), Context(timeout=30)))
+    first.start()
+    time.sleep(0.3)
+    answer = servicer.Gather(gather_request(1, 0, b"b"), Context(timeout=30))
+    assert list(answer.payloads) == [b"a", b"b"]
+    first.join(30)
+    retry = servicer.Gather(gather_request(0, 0, b"a"), Context(timeout=2))
+    assert list(retry.payloads) == [b"a", b"b"]
+    # Then the next round goes as usual, and round 0 is forgotten.
+    assert gather_all(servicer, 1, [b"c", b"d"]) == {0: [b"c", b"d"], 1: [b"c", b"d"]}
+    assert list(servicer._gatherer._rounds) == [1]
 
 
 def read_state(servicer, min_version, timeout=10.0):

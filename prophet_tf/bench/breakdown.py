@@ -134,6 +134,22 @@ def _links(events: list) -> dict:
     return out
 
 
+def _transfers(events: list) -> dict:
+    """A worker's pushes and answers by step: ("push", step) or ("pull",
+    version) -> [(PS index, start, end, bytes)], times in us; an end is the
+    transfer's arrival."""
+    links = _links(events)
+    out = {}
+    for e in events:
+        kind = links.get(e.get("tid"))
+        if kind is None or e.get("cat") not in ("push", "pull"):
+            continue
+        k = e["args"]["step"] if kind[0] == "push" else e["args"]["version"]
+        out.setdefault((kind[0], k), []).append(
+            (kind[1], e["ts"], e["ts"] + e["dur"], e["args"]["bytes"]))
+    return out
+
+
 def answer_tails(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     """Per measured step k: each worker's last parameter of version k+1 in
     (ms from worker 0's start of backprop k), the spread, and the PS whose
@@ -141,39 +157,28 @@ def answer_tails(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     in that tail (MB)."""
     events = _workers(directory)
     n = len(events)
-    links = [_links(ev) for ev in events]
+    transfers = [_transfers(ev) for ev in events]
     starts = _backward_starts(events[0])
     rows = []
     for k in sorted(starts)[warmup:-1]:
         push_in, answered, last_in = {}, {}, []
         for w in range(n):
-            ends = []
-            for e in events[w]:
-                kind = links[w].get(e.get("tid"))
-                if kind is None or e.get("cat") not in ("push", "pull"):
-                    continue
-                end = e["ts"] + e["dur"]
-                ps = kind[1]
-                if kind[0] == "push" and e["args"]["step"] == k:
-                    push_in[ps] = max(push_in.get(ps, end), end)
-                elif kind[0] == "pull" and e["args"]["version"] == k + 1:
-                    answered[ps] = max(answered.get(ps, end), end)
-                    ends.append(end)
-            if ends:
-                last_in.append(max(ends))
+            for ps, _, end, _ in transfers[w].get(("push", k), ()):
+                push_in[ps] = max(push_in.get(ps, end), end)
+            answers = transfers[w].get(("pull", k + 1), ())
+            for ps, _, end, _ in answers:
+                answered[ps] = max(answered.get(ps, end), end)
+            if answers:
+                last_in.append(max(end for _, _, end, _ in answers))
         if len(last_in) < n or not answered:
             continue
         ps = max(answered, key=answered.get)
         a, b = push_in.get(ps, answered[ps]), answered[ps]
         ahead = 0.0
         if ps < n:  # the worker on the laggard PS's host (colocated layout)
-            for e in events[ps]:
-                kind = links[ps].get(e.get("tid"))
-                if (kind and e.get("cat") == "push" and kind[1] != ps
-                        and e["args"]["step"] == k + 1):
-                    s, t = e["ts"], e["ts"] + e["dur"]
-                    if t > a and s < b:  # bytes spread evenly over the push
-                        ahead += e["args"]["bytes"] * (min(t, b) - max(s, a)) / max(t - s, 1e-9)
+            for to, s, t, nbytes in transfers[ps].get(("push", k + 1), ()):
+                if to != ps and t > a and s < b:  # bytes spread evenly over the push
+                    ahead += nbytes * (min(t, b) - max(s, a)) / max(t - s, 1e-9)
         t0 = starts[k]
         rows.append({"step": k, "last_in_ms": [(t - t0) / 1e3 for t in last_in],
                      "spread_ms": (max(last_in) - min(last_in)) / 1e3, "laggard_ps": ps,
@@ -187,10 +192,10 @@ def uplinks(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     to the other hosts' PS tasks and its PS's answers of version k+1 to the
     other hosts' workers, in MB, and when each ended (s from the step's
     first gradient on any worker), and how far apart the hosts' pushes
-    ended. A transfer's end is its arrival."""
+    ended."""
     events = _workers(directory)
     n = len(events)
-    links = [_links(ev) for ev in events]
+    transfers = [_transfers(ev) for ev in events]
     starts = {}
     for ev in events:
         for k, t in _backward_starts(ev).items():
@@ -199,12 +204,11 @@ def uplinks(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     for k in sorted(starts)[warmup:-1]:
         hosts = []
         for h in range(n):
-            pushed = [(e["ts"] + e["dur"], e["args"]["bytes"]) for e in events[h]
-                      if e.get("cat") == "push" and e["args"]["step"] == k
-                      and links[h][e["tid"]][1] != h]
-            answered = [(e["ts"] + e["dur"], e["args"]["bytes"]) for w in range(n) if w != h
-                        for e in events[w] if e.get("cat") == "pull"
-                        and e["args"]["version"] == k + 1 and links[w][e["tid"]][1] == h]
+            pushed = [(end, nbytes) for ps, _, end, nbytes in transfers[h].get(("push", k), ())
+                      if ps != h]
+            answered = [(end, nbytes) for w in range(n) if w != h
+                        for ps, _, end, nbytes in transfers[w].get(("pull", k + 1), ())
+                        if ps == h]
             if not (pushed and answered):
                 break
             hosts.append({"push_mb": sum(b for _, b in pushed) / 1e6,
@@ -242,6 +246,41 @@ def _ps_events(directory: str) -> dict:
     return out
 
 
+def _times_by(events: list, arg: str, ended: bool = True) -> dict:
+    """Value of ``args[arg]`` -> when its events ended (or began), in us."""
+    times = {}
+    for e in events:
+        times.setdefault(e["args"][arg], []).append(e["ts"] + e["dur"] if ended else e["ts"])
+    return times
+
+
+def _first_layer_reads(events: list) -> dict:
+    """Step -> (key, name, when its value was in) of the first layer's
+    variable in the worker's forward: the lowest key (keys follow the model's
+    variables; the forward requests many at once, so not the earliest read)."""
+    reads = {}
+    for e in events:
+        if e.get("cat") == "forward":
+            k, key = e["args"]["step"], e["args"]["key"]
+            if k not in reads or key < reads[k][0]:
+                reads[k] = (key, e["name"][len("read "):], e["args"]["forward_start_us"])
+    return reads
+
+
+def _pushes_ended(events: list[list], first_key: dict) -> tuple[dict, dict]:
+    """Step -> when the last worker's last push ended, and step -> when the
+    last worker's push carrying the first layer (of the next forward) ended."""
+    all_pushed, first_layer_pushed = {}, {}
+    for worker_events in events:
+        for e in worker_events:
+            if e.get("cat") == "push":
+                k, end = e["args"]["step"], e["ts"] + e["dur"]
+                all_pushed[k] = max(all_pushed.get(k, end), end)
+                if first_key.get(k + 1, (None, None))[1] in e["args"]["keys"]:
+                    first_layer_pushed[k] = max(first_layer_pushed.get(k, end), end)
+    return all_pushed, first_layer_pushed
+
+
 def step_events(directory: str, bins: int = 10, warmup: int = WARMUP_STEPS) -> dict | None:
     """Where in each worker's own step its events fall, beside its host's
     link load through the step: needs the ``run.json`` the bench keeps with
@@ -266,39 +305,20 @@ def step_events(directory: str, bins: int = 10, warmup: int = WARMUP_STEPS) -> d
     rate = run["payload_bytes_per_s"]
     if not rate:
         return None
-    n = len(run["workers"])
-    events = [_events(directory, w) for w in range(n)]
+    events = [_events(directory, w) for w in range(len(run["workers"]))]
     ps = _ps_events(directory)
-    # The first layer's variable has the lowest key (keys follow the model's
-    # variables; the forward requests many at once, so not the earliest read).
-    first_reads = []  # per worker: step -> (key, name, value in)
-    for w in range(n):
-        reads = {}
-        for e in events[w]:
-            if e.get("cat") == "forward":
-                k, key = e["args"]["step"], e["args"]["key"]
-                if k not in reads or key < reads[k][0]:
-                    reads[k] = (key, e["name"][len("read "):], e["args"]["forward_start_us"])
-        first_reads.append(reads)
+    first_reads = [_first_layer_reads(e) for e in events]
     first_key = {k: (key, name) for k, (key, name, _) in first_reads[0].items()}
-    first_layer_pushed = {}  # step -> when the last worker's push of the first layer ended
-    all_pushed = {}  # step -> when the last worker's last push ended
-    for w in range(n):
-        for e in events[w]:
-            if e.get("cat") == "push":
-                k, end = e["args"]["step"], e["ts"] + e["dur"]
-                all_pushed[k] = max(all_pushed.get(k, end), end)
-                if first_key.get(k + 1, (None, None))[1] in e["args"]["keys"]:
-                    first_layer_pushed[k] = max(first_layer_pushed.get(k, end), end)
+    all_pushed, first_layer_pushed = _pushes_ended(events, first_key)
     fractions = {name: [] for name in STEP_EVENTS}
     for w in run["host_worker"].values():
         ends = link_load.step_ends(run["workers"][w])
         by = _by_category(events[w])
+        readies = _times_by(by["backward"], "step", ended=False)
+        pushed, answered = _times_by(by["push"], "step"), _times_by(by["pull"], "version")
         for k in range(warmup, len(ends) - 1):
             begin, end = ends[k] * 1e6, ends[k + 1] * 1e6  # us, as the timelines
-            ready = [e["ts"] for e in by["backward"] if e["args"]["step"] == k]
-            pushes = [e["ts"] + e["dur"] for e in by["push"] if e["args"]["step"] == k - 1]
-            answers = [e["ts"] + e["dur"] for e in by["pull"] if e["args"]["version"] == k]
+            ready, pushes, answers = readies.get(k), pushed.get(k - 1), answered.get(k)
             if not (ready and pushes and answers and k - 1 in first_layer_pushed
                     and k in first_reads[w] and k in first_key):
                 continue

@@ -71,14 +71,18 @@ def _by_category(events: list) -> dict:
     return by
 
 
+def _times_by(events: list, arg: str, ended: bool = True) -> dict:
+    """Value of ``args[arg]`` -> when its events ended (or began), in us."""
+    times = {}
+    for e in events:
+        times.setdefault(e["args"][arg], []).append(e["ts"] + e["dur"] if ended else e["ts"])
+    return times
+
+
 def _backward_starts(events: list) -> dict:
     """Step -> when its first gradient became ready (us)."""
-    starts = {}
-    for e in events:
-        if e.get("cat") == "backward":
-            step = e["args"]["step"]
-            starts[step] = min(e["ts"], starts.get(step, e["ts"]))
-    return starts
+    readies = _times_by([e for e in events if e.get("cat") == "backward"], "step", ended=False)
+    return {k: min(times) for k, times in readies.items()}
 
 
 def phase_offsets(directory: str, warmup: int = WARMUP_STEPS) -> dict:
@@ -96,15 +100,17 @@ def phase_offsets(directory: str, warmup: int = WARMUP_STEPS) -> dict:
 
 def breakdown(directory: str, worker: int = 0, warmup: int = WARMUP_STEPS) -> dict:
     by = _by_category(_events(directory, worker))
-    steps = sorted({e["args"]["step"] for e in by.get("backward", [])})
+    readies = _times_by(by.get("backward", []), "step", ended=False)
+    pulled = _times_by(by.get("pull", []), "version")
+    pushes_by, reads_by = {}, {}
+    for e in by.get("push", []):
+        pushes_by.setdefault(e["args"]["step"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for e in by.get("forward", []):
+        reads_by.setdefault(e["args"]["step"], []).append(e["args"]["forward_start_us"])
     rows = []
-    for k in steps[warmup:-1]:
-        ready = [e["ts"] for e in by["backward"] if e["args"]["step"] == k]
-        pushes = [(e["ts"], e["ts"] + e["dur"]) for e in by.get("push", [])
-                  if e["args"]["step"] == k]
-        pulls = [e["ts"] + e["dur"] for e in by.get("pull", []) if e["args"]["version"] == k + 1]
-        reads = [e["args"]["forward_start_us"] for e in by.get("forward", [])
-                 if e["args"]["step"] == k + 1]
+    for k in sorted(readies)[warmup:-1]:
+        ready, pushes = readies[k], pushes_by.get(k)
+        pulls, reads = pulled.get(k + 1), reads_by.get(k + 1)
         if not (ready and pushes and pulls and reads):
             continue
         t0, t1 = min(ready), max(ready)
@@ -244,14 +250,6 @@ def _ps_events(directory: str) -> dict:
                     at = ("answered", args["worker"], args["version"])
                     out[at] = max(out.get(at, e["ts"]), e["ts"])
     return out
-
-
-def _times_by(events: list, arg: str, ended: bool = True) -> dict:
-    """Value of ``args[arg]`` -> when its events ended (or began), in us."""
-    times = {}
-    for e in events:
-        times.setdefault(e["args"][arg], []).append(e["ts"] + e["dur"] if ended else e["ts"])
-    return times
 
 
 def _first_layer_reads(events: list) -> dict:

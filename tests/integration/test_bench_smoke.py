@@ -11,7 +11,7 @@ WARMUP = 2  # of the smoke run's 9 steps: the analyses measure steps 2 to 7
 
 
 def check_breakdown(directory, record, result):
-    """The timeline analyses (benchmarks/timeline_breakdown.py) on a real run."""
+    """The timeline analyses (prophet_tf/bench/breakdown.py) on a real run."""
     directory = str(directory)
     config = result["config"]
     times = breakdown.breakdown(directory, warmup=WARMUP)

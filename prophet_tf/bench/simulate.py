@@ -28,7 +28,10 @@ in lockstep, so one is simulated and every PS link is shared W ways):
   downlink, a pulled partition the PS's uplink and the worker's downlink.
   Links have the given bandwidth in each direction; a PS link carries the W
   workers' identical flows, so each gets 1/W of it; concurrent flows share
-  a link max-min fairly (a fluid model of TCP). Each message costs
+  a link max-min fairly (a fluid model of TCP), or with ``share_sigma`` by
+  a log-normal weight per message: TCP connections through a shaped link
+  take turns (``benchmarks/flow_share.py``), so one host's messages can get
+  ahead of another's (``--validate --flow-share``). Each message costs
   ``rpc_overhead_s + nbytes * rpc_per_byte_s`` at its ends before its bytes
   flow (serialising, gRPC, Python, the PS's checks and sum: a bench run
   measures both, ``message_costs.py``) and a one-way latency after;
@@ -46,6 +49,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import random
 import statistics
 import types
 from typing import Callable
@@ -67,19 +71,28 @@ _NS = 1_000_000_000
 
 
 class _Flow:
-    __slots__ = ("remaining", "links", "rate", "done")
+    __slots__ = ("remaining", "links", "rate", "done", "weight")
 
-    def __init__(self, nbytes: float, links: tuple, done: Callable[[], None]):
+    def __init__(self, nbytes: float, links: tuple, done: Callable[[], None], weight: float):
         self.remaining = float(nbytes)
         self.links = links
         self.rate = 0.0
         self.done = done
+        self.weight = weight
 
 
 class _Sim:
-    """Event queue plus a fluid network of max-min fair flows."""
+    """Event queue plus a fluid network of weighted max-min fair flows.
 
-    def __init__(self, capacity: dict):
+    Each flow's weight is 1, or with ``share_sigma`` > 0 drawn from a
+    log-normal distribution (median 1, that sigma of its log) when it
+    starts: TCP connections through a shaped link take turns rather than
+    share it evenly (``benchmarks/flow_share.py`` measures how unevenly).
+    """
+
+    def __init__(self, capacity: dict, share_sigma: float = 0.0, seed: int = 0):
+        self.share_sigma = share_sigma
+        self._random = random.Random(seed)
         self.now = 0.0
         self._events: list = []
         self._seq = 0
@@ -94,7 +107,8 @@ class _Sim:
 
     def start_flow(self, nbytes: float, links: tuple, done: Callable[[], None]) -> None:
         self._advance()
-        flow = _Flow(nbytes, links, done)
+        weight = math.exp(self._random.gauss(0.0, self.share_sigma)) if self.share_sigma else 1.0
+        flow = _Flow(nbytes, links, done, weight)
         if nbytes <= 0 or all(math.isinf(self.capacity[l]) for l in links):
             self.at(self.now, done)
             return
@@ -109,21 +123,23 @@ class _Sim:
         self._last = self.now
 
     def _reschedule(self) -> None:
-        # Progressive filling: the most constrained link fixes its flows' rate.
+        # Progressive filling: the most constrained link (least capacity per
+        # unit of weight) fixes its flows' rates, in proportion to their weights.
         left = {l: c for l, c in self.capacity.items()}
         unfixed = set(range(len(self.flows)))
         while unfixed:
-            counts: dict = {}
+            weights: dict = {}
             for i in unfixed:
                 for l in self.flows[i].links:
-                    counts[l] = counts.get(l, 0) + 1
-            link = min(counts, key=lambda l: left[l] / counts[l])
-            share = left[link] / counts[link]
+                    weights[l] = weights.get(l, 0.0) + self.flows[i].weight
+            link = min(weights, key=lambda l: left[l] / weights[l])
+            share = left[link] / weights[link]
             for i in [i for i in unfixed if link in self.flows[i].links]:
-                self.flows[i].rate = share
+                flow = self.flows[i]
+                flow.rate = share * flow.weight
                 unfixed.discard(i)
-                for l in self.flows[i].links:
-                    left[l] -= share
+                for l in flow.links:
+                    left[l] -= flow.rate
         self._epoch += 1
         epoch = self._epoch
         if self.flows:
@@ -356,6 +372,50 @@ class _Network:
 LAYOUTS = ideal_lib.LAYOUTS
 
 
+def message_rate_ratios(share_sigma: float, flows: int, *, message_bytes: int = 1 << 18,
+                        messages: int = 2000, seed: int = 0) -> list:
+    """Each message's rate over the fair share, when ``flows`` connections
+    keep one link busy with back-to-back messages and flows share it with
+    weights of that ``share_sigma``: what ``benchmarks/flow_share.py``
+    measures on the emulated link, here in the fluid model, to fit one to
+    the other. The first tenth is left out (all flows started together)."""
+    if not isinstance(flows, int) or flows < 1:
+        raise ValueError(f"flows must be an int >= 1. Received: {flows!r}")
+    capacity = 1e6  # bytes/s; the ratios do not depend on it
+    sim = _Sim({"link": capacity}, share_sigma, seed)
+    spans: list = []
+
+    def send() -> None:
+        start = sim.now
+
+        def done() -> None:
+            spans.append(sim.now - start)
+            send()
+        sim.start_flow(message_bytes, ("link",), done)
+    for _ in range(flows):
+        sim.at(0.0, send)
+    sim.run(until=lambda: len(spans) >= messages)
+    fair = capacity / flows
+    return [message_bytes / t / fair for t in spans[messages // 10:messages]]
+
+
+def fit_share_sigma(median_ratio: float, flows: int, *, seed: int = 0) -> float:
+    """The ``share_sigma`` whose simulated messages have the measured median
+    rate over the fair share (bisection; the median grows with the sigma
+    from 1, fair sharing, towards ``flows``, one message at a time)."""
+    if not 1.0 <= median_ratio < flows:
+        raise ValueError(f"median_ratio must be in [1, flows={flows}). "
+                         f"Received: {median_ratio!r}")
+    low, high = 0.0, 4.0
+    for _ in range(20):
+        mid = (low + high) / 2
+        if statistics.median(message_rate_ratios(mid, flows, seed=seed)) < median_ratio:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
 def specs_of(profile: dict):
     """The variable specs of a profile, as the engine registers them (key = priority)."""
     return [types.SimpleNamespace(key=i, shape=v["shape"], dtype="float32", priority=i)
@@ -367,7 +427,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
              iterations: int | None = None, warmup: int = WARMUP_ITERATIONS,
              compute_s: float | None = None, rpc_overhead_s: float = DEFAULT_RPC_OVERHEAD_S,
              rpc_per_byte_s: float = 0.0, scheduler_options: dict | None = None, layout: str = "dedicated",
-             framing: float = ideal_lib.TCP_FRAMING) -> dict:
+             framing: float = ideal_lib.TCP_FRAMING, share_sigma: float = 0.0,
+             seed: int = 0) -> dict:
     """Simulates training with one scheduler; returns step times and the ideal bound.
 
     Args:
@@ -388,10 +449,13 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
         on worker host p % W; ``num_ps`` a multiple of ``workers``).
       framing: wire bytes per message byte (``ideal.TCP_FRAMING``: TCP
         headers; 1.0 for a shaper that counts message bytes).
+      share_sigma: 0 shares every link evenly among its flows; above 0, each
+        message's weight is log-normal with this sigma (see ``_Sim``), drawn
+        from a generator seeded with ``seed``.
 
     Returns:
       ``{"scheduler", "step_time_s", "step_times_s", "ideal_step_time_s", "ideal",
-      "scheduler_class", "pushed_bytes_per_step"}``.
+      "scheduler_class", "pushed_bytes_per_step", "phase_spread_s"}``.
 
     Raises:
       ValueError: bad arguments (unknown scheduler, non-positive counts...).
@@ -404,6 +468,9 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
                          f"Received: bandwidth_mbit={bandwidth_mbit!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}. Received: layout={layout!r}")
+    if not (isinstance(share_sigma, (int, float)) and 0 <= share_sigma < math.inf):
+        raise ValueError(f"share_sigma must be a finite number >= 0. "
+                         f"Received: share_sigma={share_sigma!r}")
     if layout == "colocated" and num_ps % workers:
         raise ValueError(f"the colocated layout puts the same number of PS tasks on every "
                          f"worker host, so num_ps must be a multiple of workers. Received: "
@@ -415,7 +482,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
     specs = specs_of(profile)
     rate = ideal_lib.payload_bytes_per_s(bandwidth_mbit, framing) or math.inf
     network = _Network(layout, workers, num_ps, rate)
-    sim = _Sim(network.capacity)
+    sim = _Sim(network.capacity, share_sigma, seed)
     servers = _Servers(sim, network.simulated)
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
     simulated = []
@@ -433,9 +500,14 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
                            f"(t={sim.now:.4f} s); a scheduler held items it never released")
     times = [b - a for a, b in zip(worker.starts, worker.starts[1:])]
     measured = times[warmup:iterations]
+    # How far apart the simulated workers started each iteration (0 where
+    # one worker stands for all).
+    spread = [max(w.starts[k] for w in simulated) - min(w.starts[k] for w in simulated)
+              for k in range(iterations + 1)]
     bound = ideal_lib.ideal_step_time(profile, workers, num_ps, bandwidth_mbit, latency_ms,
                                       compute_s, layout=layout, framing=framing)
     return {"scheduler": scheduler, "scheduler_class": f"{type(s).__module__}.{type(s).__name__}",
             "step_time_s": statistics.median(measured), "step_times_s": times,
             "ideal_step_time_s": bound["ideal_s"], "ideal": bound,
-            "pushed_bytes_per_step": worker.pushed_bytes / iterations}
+            "pushed_bytes_per_step": worker.pushed_bytes / iterations,
+            "phase_spread_s": spread}

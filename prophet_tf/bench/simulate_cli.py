@@ -10,7 +10,9 @@ import argparse
 import glob
 import json
 import logging
+import math
 import os
+import statistics
 import sys
 from typing import Sequence
 
@@ -105,6 +107,13 @@ def _parse(argv):
     parser.add_argument("--timeline-dir", default=None,
                         help="with --validate: the run's --timeline-dir, to measure the "
                              "message costs from (default: those in the bench JSON)")
+    parser.add_argument("--flow-share", default=None, metavar="JSON[,JSON...]",
+                        help="with --validate: share links as unevenly as these "
+                             "benchmarks/flow_share.py results measured, the one at the "
+                             "nearest link rate (default: evenly)")
+    parser.add_argument("--seeds", type=int, default=5,
+                        help="with --flow-share: seeded simulations per run, their median "
+                             "predicts it (default %(default)s)")
     parser.add_argument("--profile", default=None, metavar="MODEL",
                         help="measure MODEL's per-variable compute profile and save it")
     parser.add_argument("--batch", type=int, default=32, help="per-worker batch of --profile")
@@ -120,15 +129,46 @@ def _print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
                         for title, key, fmt in columns))
 
 
+def uplink_connections(workers: int, num_ps: int, layout: str) -> int:
+    """Connections that share the busiest uplink: a colocated host's pushes
+    to the other hosts' PS tasks and its PS's answers to the other workers;
+    a dedicated PS host's answers to every worker, or a worker's pushes to
+    every PS host."""
+    if layout == "colocated":
+        return 2 * (workers - 1)
+    return max(workers, num_ps)
+
+
+def share_sigma_for(flow_shares: Sequence[dict] | None, link_mbit: float | None,
+                    connections: int) -> float:
+    """The fitted ``share_sigma`` of ``benchmarks/flow_share.py``: of the
+    result at the link rate nearest ``link_mbit``, the case with the nearest
+    number of connections (0.0, even sharing, without one)."""
+    if not flow_shares or connections < 2:
+        return 0.0
+    flow_share = min(flow_shares, key=lambda f: abs(f["link_mbit"] - (link_mbit or math.inf)))
+    cases = {int(k): v["share_sigma"] for k, v in flow_share["by_connections"].items()
+             if v.get("share_sigma") is not None}
+    if not cases:
+        return 0.0
+    return cases[min(cases, key=lambda k: (abs(k - connections), k))]
+
+
 def validate(bench: dict, profile: dict,
              rpc_overhead_s: float = simulate_lib.DEFAULT_RPC_OVERHEAD_S,
-             timeline_dir: str | None = None) -> list:
+             timeline_dir: str | None = None, flow_shares: Sequence[dict] | None = None,
+             seeds: int = 5) -> list:
     """Predicted vs measured step time per scheduler of a bench JSON.
 
     Each message costs what the run measured: from its timelines when
     ``timeline_dir`` (the run's ``--timeline-dir``) holds them, else its
-    JSON's ``message_costs``; without either, ``rpc_overhead_s``.
+    JSON's ``message_costs``; without either, ``rpc_overhead_s``. With
+    ``flow_shares`` (``benchmarks/flow_share.py`` results, one per link
+    rate) the links are shared as unevenly as measured (``share_sigma_for``),
+    and the prediction is the median over ``seeds`` seeded simulations.
     """
+    if not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds must be an int >= 1. Received: {seeds!r}")
     config = bench["config"]
     profile = config.get("profile", profile)  # measured in the bench itself
     rows = []
@@ -150,18 +190,28 @@ def validate(bench: dict, profile: dict,
         settings = config.get("scheduler_settings", {}).get(r["scheduler"], {})
         options.update({k: v for k, v in settings.items()
                         if k in schedulers_lib.SCHEDULERS[name].OPTIONS})
+        layout = config.get("layout", "dedicated")
+        link_mbit = config.get("link_mbit", config["bandwidth_mbit"])
+        sigma = share_sigma_for(flow_shares, link_mbit,
+                                uplink_connections(config["workers"], config["ps"], layout))
         # A time-scaled run is simulated as it ran: its links, its scaled profile.
-        pred = simulate_lib.simulate(profile, name, config["workers"], config["ps"],
-                        config.get("link_mbit", config["bandwidth_mbit"]),
-                        latency_ms=config.get("link_latency_ms", config.get("latency_ms", 0.0)),
-                        rpc_overhead_s=costs["overhead_s"], rpc_per_byte_s=costs["per_byte_s"],
-                        scheduler_options=options,
-                        layout=config.get("layout", "dedicated"),
-                        framing=config.get("ideal", {}).get("framing", 1.0))
+        runs = [simulate_lib.simulate(
+            profile, name, config["workers"], config["ps"], link_mbit,
+            latency_ms=config.get("link_latency_ms", config.get("latency_ms", 0.0)),
+            rpc_overhead_s=costs["overhead_s"], rpc_per_byte_s=costs["per_byte_s"],
+            scheduler_options=options, layout=layout,
+            framing=config.get("ideal", {}).get("framing", 1.0),
+            share_sigma=sigma, seed=seed)
+            for seed in range(seeds if sigma else 1)]
+        predicted = [run["step_time_s"] for run in runs]
+        step = statistics.median(predicted)
+        # The workers' phase spread over the iterations the step time is of.
+        spread = statistics.median(s for run in runs
+                                   for s in run["phase_spread_s"][simulate_lib.WARMUP_ITERATIONS:])
         rows.append({"scheduler": r["scheduler"], "measured_s": r["step_time_s"],
-                     "predicted_s": pred["step_time_s"],
-                     "error": pred["step_time_s"] / r["step_time_s"] - 1,
-                     "message_costs": costs})
+                     "predicted_s": step, "predicted_range_s": [min(predicted), max(predicted)],
+                     "share_sigma": sigma, "error": step / r["step_time_s"] - 1,
+                     "predicted_phase_spread_s": spread, "message_costs": costs})
     return rows
 
 
@@ -188,19 +238,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.validate:
             with open(args.validate) as f:
                 bench = json.load(f)
+            flow_shares = []
+            for path in filter(None, (args.flow_share or "").split(",")):
+                with open(path) as f:
+                    flow_shares.append(json.load(f))
+                if not {"link_mbit", "by_connections"} <= set(flow_shares[-1]):
+                    raise ValueError(f"--flow-share {path}: not a benchmarks/flow_share.py "
+                                     f"result (keys {sorted(flow_shares[-1])})")
             columns = [("scheduler", "scheduler", ""), ("measured s", "measured_s", ".4f"),
-                       ("predicted s", "predicted_s", ".4f"), ("error", "error", "+.1%")]
+                       ("predicted s", "predicted_s", ".4f"), ("error", "error", "+.1%"),
+                       ("workers apart s", "predicted_phase_spread_s", ".2f")]
             if isinstance(bench.get("cells"), list):  # a bench suite: every cell
                 rows = [{**{k: c["cell"][k] for k in ("model", "workers", "bandwidth_mbit")},
                          **row} for c in bench["cells"] for row in validate(
                              c, profile, overhead, args.timeline_dir and os.path.join(
-                                 args.timeline_dir, suite_lib.cell_directory(c["cell"])))]
+                                 args.timeline_dir, suite_lib.cell_directory(c["cell"])),
+                             flow_shares, args.seeds)]
                 columns = [("model", "model", ""), ("workers", "workers", "d"),
                            ("Mbit/s", "bandwidth_mbit", ".0f")] + columns
                 out = {"validation": rows, "suite": bench["suite"]}
             else:
-                rows = validate(bench, profile, overhead, args.timeline_dir)
+                rows = validate(bench, profile, overhead, args.timeline_dir, flow_shares,
+                                args.seeds)
                 out = {"validation": rows, "bench_config": bench["config"]}
+            out["flow_share"], out["seeds"] = args.flow_share, args.seeds
             _print_table(rows, columns)
         elif args.sweep:
             rows = sweep(profile, names, [2, 4, 8, 16, 32, 64],

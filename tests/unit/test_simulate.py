@@ -2,6 +2,7 @@
 import json
 import math
 import pathlib
+import statistics
 
 import pytest
 
@@ -318,3 +319,75 @@ def test_validate_keeps_recorded_costs_where_the_timeline_dir_has_no_runs(tmp_pa
     assert [r["message_costs"] for r in empty] == [r["message_costs"] for r in recorded]
     assert [r["predicted_s"] for r in empty] == [r["predicted_s"] for r in recorded]
     assert all(r["message_costs"]["messages"] > 0 for r in recorded)
+
+
+@pytest.mark.timeout(60)
+def test_uneven_sharing_keeps_the_links_full_and_shares_them_by_weight():
+    """With weights a link is still filled (each flow at its weight's part of
+    it); with share_sigma 0 every message runs at the fair share, and the
+    larger the sigma, the more messages run faster than it while others wait."""
+    sim = simulate._Sim({"a": 100.0, "b": 30.0}, share_sigma=1.0, seed=3)
+    done = []
+    for links in [("a",), ("a",), ("a", "b")]:
+        sim.start_flow(1e6, links, lambda: done.append(1))
+    rates = [f.rate for f in sim.flows]
+    weights = [f.weight for f in sim.flows]
+    assert len(set(weights)) == 3  # drawn, not all 1
+    assert sum(rates) == pytest.approx(100.0)  # link a full
+    assert rates[2] <= 30.0 + 1e-9  # link b caps the third flow
+    assert rates[0] / rates[1] == pytest.approx(weights[0] / weights[1])
+    even = simulate.message_rate_ratios(0.0, 3, messages=300)
+    assert even == pytest.approx([1.0] * len(even))
+    medians = [statistics.median(simulate.message_rate_ratios(s, 3, messages=600))
+               for s in (0.5, 1.0, 2.0)]
+    assert 1.0 < medians[0] < medians[1] < medians[2] < 3.0
+
+
+@pytest.mark.timeout(120)
+def test_share_sigma_is_fitted_to_a_median_and_seeds_repeat():
+    sigma = simulate.fit_share_sigma(1.5, 3)
+    assert 0.5 < sigma < 2.0
+    assert statistics.median(simulate.message_rate_ratios(sigma, 3)) == pytest.approx(1.5, rel=0.03)
+    with pytest.raises(ValueError, match="Received: 3.5"):
+        simulate.fit_share_sigma(3.5, 3)
+    with pytest.raises(ValueError, match="share_sigma=-1"):
+        simulate.simulate(TOY, "fifo", 2, 2, 100, layout="colocated", share_sigma=-1)
+    runs = [simulate.simulate(TOY, "p3", 2, 2, 100, layout="colocated", share_sigma=1.0,
+                              seed=seed)["step_times_s"] for seed in (0, 0, 1)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    even = simulate.simulate(TOY, "p3", 2, 2, 100, layout="colocated")
+    assert even == simulate.simulate(TOY, "p3", 2, 2, 100, layout="colocated", share_sigma=0.0,
+                                     seed=5)
+    # Even sharing keeps the two hosts in step (within the PS tasks' imbalance);
+    # uneven sharing puts them apart.
+    uneven = simulate.simulate(TOY, "p3", 2, 2, 100, layout="colocated", share_sigma=1.0)
+    assert len(even["phase_spread_s"]) == len(even["step_times_s"]) + 1
+    assert max(uneven["phase_spread_s"]) > 10 * max(even["phase_spread_s"])
+
+
+@pytest.mark.timeout(300)
+def test_validate_with_flow_shares_uses_the_sigma_of_the_nearest_rate_and_connections():
+    from prophet_tf.bench import simulate_cli
+    slow = {"link_mbit": 125, "by_connections": {"2": {"share_sigma": 0.4},
+                                                  "6": {"share_sigma": 1.5}}}
+    fast = {"link_mbit": 250, "by_connections": {"2": {"share_sigma": 0.1}}}
+    assert simulate_cli.uplink_connections(4, 4, "colocated") == 6
+    assert simulate_cli.uplink_connections(2, 2, "colocated") == 2
+    assert simulate_cli.uplink_connections(16, 4, "dedicated") == 16
+    assert simulate_cli.share_sigma_for([slow, fast], 125, 6) == 1.5
+    assert simulate_cli.share_sigma_for([slow, fast], 100, 3) == 0.4  # nearer 2 than 6
+    assert simulate_cli.share_sigma_for([slow, fast], 300, 6) == 0.1  # the 250 Mbit/s one
+    assert simulate_cli.share_sigma_for(None, 125, 6) == 0.0
+    root = pathlib.Path(__file__).resolve().parents[2]
+    bench = json.loads((root / "benchmarks" / "window-cnn-emulated.json").read_text())
+    even = simulate_cli.validate(bench, None)
+    uneven = simulate_cli.validate(bench, None, flow_shares=[slow], seeds=3)
+    sigma = simulate_cli.share_sigma_for([slow], None, simulate_cli.uplink_connections(
+        bench["config"]["workers"], bench["config"]["ps"], bench["config"]["layout"]))
+    for e, u in zip(even, uneven):
+        assert e["share_sigma"] == 0.0 and e["predicted_range_s"][0] == e["predicted_s"]
+        assert u["share_sigma"] == sigma > 0
+        low, high = u["predicted_range_s"]
+        assert low <= u["predicted_s"] <= high and low < high
+    with pytest.raises(ValueError, match="seeds must be"):
+        simulate_cli.validate(bench, None, flow_shares=[slow], seeds=0)

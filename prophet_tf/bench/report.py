@@ -18,7 +18,9 @@ simulate --validate --json`` result: measured against predicted) and
 and off: a row per run and scheduler) and ``phases`` (a bench result's
 ``link_phases``: the links' load through the step) and ``events`` (the
 ``step_events`` of ``benchmarks/timeline_breakdown.py --json``: where in
-the step its exchange ends, run by run). Paths are relative to the Markdown file. The tests run
+the step its exchange ends, run by run) and ``flowshare`` (a
+``benchmarks/flow_share.py`` result: how evenly connections shared a
+shaped link, message by message). Paths are relative to the Markdown file. The tests run
 ``--check`` on the README, so a table can never drift from its data.
 """
 from __future__ import annotations
@@ -30,8 +32,8 @@ import os
 import re
 import sys
 
-__all__ = ["bench_table", "events_table", "phases_table", "runs_table", "suite_table", "validate_table",
-           "render", "main"]
+__all__ = ["bench_table", "events_table", "flow_share_table", "phases_table", "runs_table",
+           "suite_table", "validate_table", "render", "main"]
 
 _BLOCK = re.compile(r"(<!-- table: (\w+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
@@ -182,16 +184,23 @@ def suite_table(result: dict) -> str:
 
 
 def validate_table(result: dict) -> str:
-    """Markdown lines for a ``simulate --validate`` result."""
+    """Markdown lines for a ``simulate --validate`` result; with uneven link
+    sharing (``--flow-share``), also each run's range over the seeds."""
     cells = "model" in (result["validation"] or [{}])[0]  # of a bench suite
+    seeded = any(r.get("share_sigma") for r in result["validation"])
     lines = ["| " + ("model | workers | Gbit/s | " if cells else "")
-             + "scheduler | measured | predicted | error |",
-             "|---|---|---|---|" + ("---|---|---|" if cells else "")]
+             + "scheduler | measured | predicted | error |"
+             + (" range over seeds |" if seeded else ""),
+             "|---|---|---|---|" + ("---|---|---|" if cells else "") + ("---|" if seeded else "")]
     for r in result["validation"]:
         where = (f"{r['model']} | {r['workers']} | {r['bandwidth_mbit'] / 1e3:g} | "
                  if cells else "")
+        spread = ""
+        if seeded:
+            low, high = r["predicted_range_s"]
+            spread = f" {_ms(low)}–{_ms(high)} |"
         lines.append(f"| {where}{r['scheduler']} | {_ms(r['measured_s'])} ms | "
-                     f"{_ms(r['predicted_s'])} ms | {r['error']:+.1%} |")
+                     f"{_ms(r['predicted_s'])} ms | {r['error']:+.1%} |{spread}")
     return "\n".join(lines) + "\n"
 
 
@@ -266,8 +275,30 @@ def events_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def flow_share_table(result: dict) -> str:
+    """Markdown lines for a ``benchmarks/flow_share.py`` result: per number
+    of connections, the messages' rate over the fair share, their times,
+    and the simulator's fitted ``share_sigma``."""
+    lines = ["| connections | messages | rate / fair share (median) | median by run "
+             "| time 10% / 50% / 90% | time at the fair share | share_sigma |",
+             "|---|---|---|---|---|---|---|"]
+    for k, c in sorted(result["by_connections"].items(), key=lambda kv: int(kv[0])):
+        deciles = c["duration_deciles_ms"]
+        lines.append(f"| {k} | {c['messages']} | {c['median_ratio']:.2f} | "
+                     + ", ".join(f"{x:.2f}" for x in c["median_ratio_by_run"])
+                     + f" | {deciles[0]:.1f} / {deciles[4]:.1f} / {deciles[8]:.1f} ms | "
+                     f"{result['message_bytes'] * int(k) / result['payload_bytes_per_s'] * 1e3:.1f}"
+                     f" ms | {c['share_sigma']:.2f} |")
+    lines.append("")
+    lines.append(f"Links at {result['link_mbit']:g} Mbit/s, messages of "
+                 f"{result['message_bytes'] // 1024} KiB, {_count(result['reps'], 'run')} of "
+                 f"{result['measured_s']:g} s per case. From `{result['command']}`.")
+    return "\n".join(lines) + "\n"
+
+
 _KINDS = {"bench": bench_table, "suite": suite_table, "validate": validate_table,
-          "runs": runs_table, "phases": phases_table, "events": events_table}
+          "runs": runs_table, "phases": phases_table, "events": events_table,
+          "flowshare": flow_share_table}
 
 
 def render(markdown: str, base: str) -> str:

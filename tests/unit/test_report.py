@@ -186,3 +186,31 @@ def test_the_pushes_first_prose_matches_its_runs():
              for r in rows]
         return f"{min(s):.2f}–{max(s):.2f} s apart (median {statistics.median(s):.2f} s"
     assert f"{spread('on')} over the 12 measured steps) instead of {spread('off')};" in text
+
+
+def test_a_validate_table_shows_the_seeds_range_only_for_uneven_sharing():
+    row = {"scheduler": "p3", "measured_s": 2.0, "predicted_s": 1.9,
+           "predicted_range_s": [1.8, 2.1], "error": -0.05}
+    even = report.validate_table({"validation": [{**row, "share_sigma": 0.0}]})
+    assert even.splitlines()[2] == "| p3 | 2000.0 ms | 1900.0 ms | -5.0% |"
+    uneven = report.validate_table({"validation": [{**row, "share_sigma": 1.2}]})
+    assert uneven.splitlines()[0].endswith("| range over seeds |")
+    assert uneven.splitlines()[2] == "| p3 | 2000.0 ms | 1900.0 ms | -5.0% | 1800.0–2100.0 |"
+    # A result from before seeds existed renders as before.
+    old = {k: v for k, v in row.items() if k != "predicted_range_s"}
+    assert report.validate_table({"validation": [old]}) == even
+
+
+def test_a_flowshare_table_has_a_row_per_number_of_connections():
+    result = {"command": "python benchmarks/flow_share.py", "link_mbit": 125.0,
+              "message_bytes": 262144, "payload_bytes_per_s": 262144 / 0.02, "measured_s": 20.0,
+              "reps": 2, "by_connections": {
+                  "6": {"messages": 9, "median_ratio": 2.0, "median_ratio_by_run": [1.5, 2.5],
+                        "duration_deciles_ms": [10.0 * i for i in range(1, 10)],
+                        "share_sigma": 1.25},
+                  "2": {"messages": 8, "median_ratio": 1.0, "median_ratio_by_run": [1.0, 1.0],
+                        "duration_deciles_ms": [40.0] * 9, "share_sigma": 0.0}}}
+    lines = report.flow_share_table(result).splitlines()
+    assert lines[2] == "| 2 | 8 | 1.00 | 1.00, 1.00 | 40.0 / 40.0 / 40.0 ms | 40.0 ms | 0.00 |"
+    assert lines[3] == "| 6 | 9 | 2.00 | 1.50, 2.50 | 10.0 / 50.0 / 90.0 ms | 120.0 ms | 1.25 |"
+    assert "2 runs of 20 s" in lines[-1]

@@ -185,20 +185,22 @@ def suite_table(result: dict) -> str:
 
 def validate_table(result: dict) -> str:
     """Markdown lines for a ``simulate --validate`` result; with uneven link
-    sharing (``--flow-share``), also each run's range over the seeds."""
+    sharing (``--flow-share``), also each run's range over the seeds and how
+    far apart the simulated workers started their steps (median)."""
     cells = "model" in (result["validation"] or [{}])[0]  # of a bench suite
     seeded = any(r.get("share_sigma") for r in result["validation"])
     lines = ["| " + ("model | workers | Gbit/s | " if cells else "")
              + "scheduler | measured | predicted | error |"
-             + (" range over seeds |" if seeded else ""),
-             "|---|---|---|---|" + ("---|---|---|" if cells else "") + ("---|" if seeded else "")]
+             + (" range over seeds | workers apart |" if seeded else ""),
+             "|---|---|---|---|" + ("---|---|---|" if cells else "") + ("---|---|" if seeded else "")]
     for r in result["validation"]:
         where = (f"{r['model']} | {r['workers']} | {r['bandwidth_mbit'] / 1e3:g} | "
                  if cells else "")
         spread = ""
         if seeded:
             low, high = r["predicted_range_s"]
-            spread = f" {_ms(low)}–{_ms(high)} |"
+            spread = (f" {_ms(low)}–{_ms(high)} ms | "
+                      f"{r['predicted_phase_spread_s']:.2f} s |")
         lines.append(f"| {where}{r['scheduler']} | {_ms(r['measured_s'])} ms | "
                      f"{_ms(r['predicted_s'])} ms | {r['error']:+.1%} |{spread}")
     return "\n".join(lines) + "\n"

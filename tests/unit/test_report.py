@@ -190,14 +190,16 @@ def test_the_pushes_first_prose_matches_its_runs():
 
 def test_a_validate_table_shows_the_seeds_range_only_for_uneven_sharing():
     row = {"scheduler": "p3", "measured_s": 2.0, "predicted_s": 1.9,
-           "predicted_range_s": [1.8, 2.1], "error": -0.05}
+           "predicted_range_s": [1.8, 2.1], "error": -0.05, "predicted_phase_spread_s": 0.25}
     even = report.validate_table({"validation": [{**row, "share_sigma": 0.0}]})
     assert even.splitlines()[2] == "| p3 | 2000.0 ms | 1900.0 ms | -5.0% |"
     uneven = report.validate_table({"validation": [{**row, "share_sigma": 1.2}]})
-    assert uneven.splitlines()[0].endswith("| range over seeds |")
-    assert uneven.splitlines()[2] == "| p3 | 2000.0 ms | 1900.0 ms | -5.0% | 1800.0–2100.0 |"
+    assert uneven.splitlines()[0].endswith("| range over seeds | workers apart |")
+    assert uneven.splitlines()[2] == (
+        "| p3 | 2000.0 ms | 1900.0 ms | -5.0% | 1800.0–2100.0 ms | 0.25 s |")
     # A result from before seeds existed renders as before.
-    old = {k: v for k, v in row.items() if k != "predicted_range_s"}
+    old = {k: v for k, v in row.items()
+           if k not in ("predicted_range_s", "predicted_phase_spread_s")}
     assert report.validate_table({"validation": [old]}) == even
 
 
@@ -214,3 +216,27 @@ def test_a_flowshare_table_has_a_row_per_number_of_connections():
     assert lines[2] == "| 2 | 8 | 1.00 | 1.00, 1.00 | 40.0 / 40.0 / 40.0 ms | 40.0 ms | 0.00 |"
     assert lines[3] == "| 6 | 9 | 2.00 | 1.50, 2.50 | 10.0 / 50.0 / 90.0 ms | 120.0 ms | 1.25 |"
     assert "2 runs of 20 s" in lines[-1]
+
+
+def test_the_links_in_turns_prose_matches_its_validations():
+    """The README's counts of runs predicted within 10%, with even sharing
+    and with turns, and the simulated workers' spread, come from the JSON."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+
+    def rows(name):
+        return json.loads((ROOT / "benchmarks" / name).read_text())["validation"]
+    even, turns = rows("simulate-validate-suite.json"), rows("simulate-validate-suite-flow-share.json")
+
+    def within(rs, workers=None):
+        return sum(abs(r["error"]) <= 0.10 for r in rs if workers in (None, r["workers"]))
+    assert f"predicts {within(even)} of 32 runs within 10%" in text
+    assert f"{within(turns)} of 32 runs are predicted within 10%, against {within(even)} with " \
+           f"even sharing. With 4 workers {within(turns, 4)} of 16 are, against " \
+           f"{within(even, 4)} of 16" in text
+    assert all(r["share_sigma"] == 0 for r in even) and any(r["share_sigma"] for r in turns)
+
+    def spread(rs):
+        s = [r["predicted_phase_spread_s"] for r in rs
+             if r["workers"] == 4 and r["bandwidth_mbit"] == 3000]
+        return f"{min(s):.2f}–{max(s):.2f} s"
+    assert f"a median {spread(turns)} apart, against {spread(even)} with even sharing" in text

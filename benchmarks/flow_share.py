@@ -6,13 +6,13 @@ Builds the bench's emulated network (``prophet_tf.bench.netns``: 4 hosts,
 links shaped by ``tbf`` both ways). Host 0 then keeps K connections busy at
 once, to hosts 1, 2 and 3 in turn (K = 2: a host's pushes and answers with
 2 workers; K = 3: a worker's pushes to three PS tasks; K = 6: those and its
-PS's answers to three workers, which share the same uplink). Each connection sends a message of the given size, waits for
-a one-byte reply, and sends the next, as a push does. Every message's rate
-is its bytes over its time; against the fair share (the link's payload
-rate / K) it gives how unevenly the connections shared the link while it
-crossed. Even sharing puts every message at 1.0; TCP through the shaper
-takes turns instead, most messages faster than that and some stalled far
-longer. The simulator draws each message's weight from a log-normal
+PS's answers to three workers, which share the same uplink). Each
+connection sends a message of the given size, waits for a one-byte reply,
+and sends the next, as a push does. Every message's rate is its bytes over
+its time; against the fair share (the link's payload rate / K) it gives
+how unevenly the connections shared the link while it crossed. Even
+sharing puts every message at 1.0; TCP through the shaper takes turns
+instead, most messages faster than that and some far slower. The simulator draws each message's weight from a log-normal
 distribution; ``share_sigma`` is the sigma whose simulated messages have the
 measured median (``simulate.fit_share_sigma``), and ``prophet-tf simulate
 --validate --flow-share OUT`` uses it. Needs root.
@@ -92,8 +92,8 @@ def measure(net: "netns.EmulatedNetwork", flows: int, size: int, seconds: float,
 
 
 def summary(runs: list, flows: int, size: int, rate: float) -> dict:
-    """The runs' messages pooled (a run can settle into even sharing or into
-    turns, and stay there: each run's median is kept too)."""
+    """The runs' messages pooled (runs of one case can differ, one sharing
+    evenly, another taking turns: each run's median is kept too)."""
     ratios = [r for run in runs for r in run]
     fair = rate / flows
     logs = [math.log(r) for r in ratios]
@@ -101,8 +101,9 @@ def summary(runs: list, flows: int, size: int, rate: float) -> dict:
     return {"messages": len(ratios), "median_ratio": median,
             "median_ratio_by_run": [round(statistics.median(run), 3) for run in runs],
             "log_sigma": statistics.pstdev(logs),
-            "duration_deciles_ms": [round(q * 1e3, 1) for q in
-                                    statistics.quantiles([size / (r * fair) for r in ratios], n=10)],
+            "duration_deciles_ms": [
+                round(q * 1e3, 1)
+                for q in statistics.quantiles([size / (r * fair) for r in ratios], n=10)],
             # Below 1: no turns to model (the link lost rate instead).
             "share_sigma": simulate.fit_share_sigma(min(median, 0.99 * flows), flows)
             if median >= 1.0 else 0.0}

@@ -192,7 +192,8 @@ def validate_table(result: dict) -> str:
     lines = ["| " + ("model | workers | Gbit/s | " if cells else "")
              + "scheduler | measured | predicted | error |"
              + (" range over seeds | workers apart |" if seeded else ""),
-             "|---|---|---|---|" + ("---|---|---|" if cells else "") + ("---|---|" if seeded else "")]
+             "|---|---|---|---|" + ("---|---|---|" if cells else "")
+             + ("---|---|" if seeded else "")]
     for r in result["validation"]:
         where = (f"{r['model']} | {r['workers']} | {r['bandwidth_mbit'] / 1e3:g} | "
                  if cells else "")

@@ -451,7 +451,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
         headers; 1.0 for a shaper that counts message bytes).
       share_sigma: 0 shares every link evenly among its flows; above 0, each
         message's weight is log-normal with this sigma (see ``_Sim``), drawn
-        from a generator seeded with ``seed``.
+        from a generator seeded with ``seed``. In the dedicated layout one
+        worker stands for all, so the workers cannot drift apart there.
 
     Returns:
       ``{"scheduler", "step_time_s", "step_times_s", "ideal_step_time_s", "ideal",

@@ -242,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             for path in filter(None, (args.flow_share or "").split(",")):
                 with open(path) as f:
                     flow_shares.append(json.load(f))
-                if not {"link_mbit", "by_connections"} <= set(flow_shares[-1]):
+                if not (isinstance(flow_shares[-1], dict)
+                        and {"link_mbit", "by_connections"} <= set(flow_shares[-1])):
                     raise ValueError(f"--flow-share {path}: not a benchmarks/flow_share.py "
-                                     f"result (keys {sorted(flow_shares[-1])})")
+                                     f"result. Received: {str(flow_shares[-1])[:80]}")
             columns = [("scheduler", "scheduler", ""), ("measured s", "measured_s", ".4f"),
                        ("predicted s", "predicted_s", ".4f"), ("error", "error", "+.1%"),
                        ("workers apart s", "predicted_phase_spread_s", ".2f")]

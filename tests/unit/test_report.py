@@ -225,7 +225,8 @@ def test_the_links_in_turns_prose_matches_its_validations():
 
     def rows(name):
         return json.loads((ROOT / "benchmarks" / name).read_text())["validation"]
-    even, turns = rows("simulate-validate-suite.json"), rows("simulate-validate-suite-flow-share.json")
+    even = rows("simulate-validate-suite.json")
+    turns = rows("simulate-validate-suite-flow-share.json")
 
     def within(rs, workers=None):
         return sum(abs(r["error"]) <= 0.10 for r in rs if workers in (None, r["workers"]))

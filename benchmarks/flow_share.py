@@ -1,6 +1,7 @@
 """How evenly TCP connections share an emulated link, message by message.
 
-    python benchmarks/flow_share.py [--mbit 125] [--kib 256] [--seconds 20] [--reps 3] [--json OUT]
+    python benchmarks/flow_share.py [--mbit 125] [--kib 256] [--seconds 20] [--reps 3] \
+        [--json OUT]
 
 Builds the bench's emulated network (``prophet_tf.bench.netns``: 4 hosts,
 links shaped by ``tbf`` both ways). Host 0 then keeps K connections busy at
@@ -12,7 +13,8 @@ and sends the next, as a push does. Every message's rate is its bytes over
 its time; against the fair share (the link's payload rate / K) it gives
 how unevenly the connections shared the link while it crossed. Even
 sharing puts every message at 1.0; TCP through the shaper takes turns
-instead, most messages faster than that and some far slower. The simulator draws each message's weight from a log-normal
+instead, most messages faster than that and some far slower. The
+simulator draws each message's weight from a log-normal
 distribution; ``share_sigma`` is the sigma whose simulated messages have the
 measured median (``simulate.fit_share_sigma``), and ``prophet-tf simulate
 --validate --flow-share OUT`` uses it. Needs root.
@@ -23,13 +25,11 @@ import math
 import statistics
 import subprocess
 import sys
-import time
 
+from emulated_hosts import SETTLE_S, command, receiving, unavailable
 from prophet_tf.bench import ideal, netns, simulate
 
 PORT = 5001
-#: Seconds before measuring: TCP's slow start and the shaper's queue fill.
-SETTLE_S = 3.0
 
 RECEIVER = f"""
 import socket, sys, threading
@@ -76,9 +76,8 @@ print("\\n".join(lines))
 """
 
 
-def measure(net: "netns.EmulatedNetwork", flows: int, size: int, seconds: float,
-            rate: float) -> list:
-    """Message rates over the fair share while host 0 keeps ``flows`` connections busy."""
+def measure(net: "netns.EmulatedNetwork", flows: int, size: int, seconds: float) -> list:
+    """Each message's time (s) while host 0 keeps ``flows`` connections busy."""
     hosts = [net.addresses[1 + i % 3] for i in range(flows)]
     sender = subprocess.run(net.command(0, [sys.executable, "-c", SENDER, str(size),
                                             str(SETTLE_S + seconds)] + hosts),
@@ -87,23 +86,22 @@ def measure(net: "netns.EmulatedNetwork", flows: int, size: int, seconds: float,
     spans = sorted(tuple(map(float, line.split())) for line in sender.stdout.split("\n") if line)
     begin = spans[0][0] + SETTLE_S
     stop = max(end for _, end in spans) - 1.0  # the last messages run with fewer flows
-    fair = rate / flows
-    return [size / (end - start) / fair for start, end in spans if begin <= start and end <= stop]
+    return [end - start for start, end in spans if begin <= start and end <= stop]
 
 
 def summary(runs: list, flows: int, size: int, rate: float) -> dict:
     """The runs' messages pooled (runs of one case can differ, one sharing
     evenly, another taking turns: each run's median is kept too)."""
-    ratios = [r for run in runs for r in run]
-    fair = rate / flows
-    logs = [math.log(r) for r in ratios]
+    fair_s = size / (rate / flows)  # a message's time at the fair share
+    times = [t for run in runs for t in run]
+    ratios = [fair_s / t for t in times]
     median = statistics.median(ratios)
     return {"messages": len(ratios), "median_ratio": median,
-            "median_ratio_by_run": [round(statistics.median(run), 3) for run in runs],
-            "log_sigma": statistics.pstdev(logs),
-            "duration_deciles_ms": [
-                round(q * 1e3, 1)
-                for q in statistics.quantiles([size / (r * fair) for r in ratios], n=10)],
+            "median_ratio_by_run": [round(statistics.median(fair_s / t for t in run), 3)
+                                    for run in runs],
+            "log_sigma": statistics.pstdev(math.log(r) for r in ratios),
+            "duration_deciles_ms": [round(q * 1e3, 1)
+                                    for q in statistics.quantiles(times, n=10)],
             # Below 1: no turns to model (the link lost rate instead).
             "share_sigma": simulate.fit_share_sigma(min(median, 0.99 * flows), flows)
             if median >= 1.0 else 0.0}
@@ -117,40 +115,28 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="runs per case, pooled")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
-    ok, why = netns.available()
-    if not ok:
-        print(f"flow_share.py: needs the emulated network: {why}", file=sys.stderr)
+    if unavailable("flow_share.py"):
         return 2
     rate = ideal.payload_bytes_per_s(args.mbit)
     size = args.kib * 1024
-    cases = {}
-    with netns.EmulatedNetwork(4, args.mbit) as net:
-        receivers = [subprocess.Popen(net.command(h, [sys.executable, "-c", RECEIVER, str(size)]))
-                     for h in (1, 2, 3)]
-        try:
-            time.sleep(1.0)
-            runs: dict = {}
-            for _ in range(args.reps):  # interleaved, so a slow spell hits every case
-                for flows in (2, 3, 6):
-                    runs.setdefault(flows, []).append(measure(net, flows, size, args.seconds, rate))
-            for flows, case_runs in runs.items():
-                cases[flows] = c = summary(case_runs, flows, size, rate)
-                print(f"{flows} connections: {c['messages']} messages, rate / fair share: "
-                      f"median {c['median_ratio']:.3f} (by run {c['median_ratio_by_run']}), "
-                      f"sigma of log {c['log_sigma']:.3f}; "
-                      f"durations' deciles {c['duration_deciles_ms']} ms; "
-                      f"share_sigma {c['share_sigma']}", flush=True)
-        finally:
-            for p in receivers:
-                p.kill()
-                p.wait(10)
+    runs: dict = {}
+    with receiving(args.mbit, RECEIVER, str(size)) as net:
+        for _ in range(args.reps):  # interleaved, so a slow spell hits every case
+            for flows in (2, 3, 6):
+                runs.setdefault(flows, []).append(measure(net, flows, size, args.seconds))
+    cases = {flows: summary(case_runs, flows, size, rate) for flows, case_runs in runs.items()}
+    for flows, c in cases.items():
+        print(f"{flows} connections: {c['messages']} messages, rate / fair share: "
+              f"median {c['median_ratio']:.3f} (by run {c['median_ratio_by_run']}), "
+              f"sigma of log {c['log_sigma']:.3f}; "
+              f"durations' deciles {c['duration_deciles_ms']} ms; "
+              f"share_sigma {c['share_sigma']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python benchmarks/flow_share.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]), "link_mbit": args.mbit,
-                "message_bytes": size, "payload_bytes_per_s": rate, "measured_s": args.seconds,
-                "reps": args.reps,
-                "by_connections": {str(k): v for k, v in cases.items()}}, f, indent=1)
+            json.dump({"command": command("flow_share.py", argv), "link_mbit": args.mbit,
+                       "message_bytes": size, "payload_bytes_per_s": rate,
+                       "measured_s": args.seconds, "reps": args.reps,
+                       "by_connections": {str(k): v for k, v in cases.items()}}, f, indent=1)
     return 0
 
 

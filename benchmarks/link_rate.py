@@ -17,11 +17,10 @@ import subprocess
 import sys
 import time
 
+from emulated_hosts import SETTLE_S, command, receiving, unavailable
 from prophet_tf.bench import ideal, netns
 
 PORT = 5000
-#: Seconds before measuring: TCP's slow start and the shaper's queue fill.
-SETTLE_S = 3.0
 
 RECEIVER = f"""
 import socket, threading
@@ -69,31 +68,20 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=6.0, help="measured span per case")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
-    ok, why = netns.available()
-    if not ok:
-        print(f"link_rate.py: needs the emulated network: {why}", file=sys.stderr)
+    if unavailable("link_rate.py"):
         return 2
     rate = ideal.payload_bytes_per_s(args.mbit)
     loads = {}
-    with netns.EmulatedNetwork(4, args.mbit) as net:
-        receivers = [subprocess.Popen(net.command(h, [sys.executable, "-c", RECEIVER]))
-                     for h in (1, 2, 3)]
-        try:
-            time.sleep(1.0)
-            for flows in (1, 3):
-                loads[flows] = measure(net, flows, args.seconds, rate)
-                print(f"{flows} flow(s): host 0's uplink at {loads[flows]:.3f} of the "
-                      f"payload rate", flush=True)
-        finally:
-            for p in receivers:
-                p.kill()
-                p.wait(10)
+    with receiving(args.mbit, RECEIVER) as net:
+        for flows in (1, 3):
+            loads[flows] = measure(net, flows, args.seconds, rate)
+            print(f"{flows} flow(s): host 0's uplink at {loads[flows]:.3f} of the "
+                  f"payload rate", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python benchmarks/link_rate.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]), "link_mbit": args.mbit,
-                "payload_bytes_per_s": rate, "measured_s": args.seconds,
-                "load_by_flows": {str(k): v for k, v in loads.items()}}, f, indent=1)
+            json.dump({"command": command("link_rate.py", argv), "link_mbit": args.mbit,
+                       "payload_bytes_per_s": rate, "measured_s": args.seconds,
+                       "load_by_flows": {str(k): v for k, v in loads.items()}}, f, indent=1)
     return 0
 
 

@@ -1,0 +1,41 @@
+"""What the link benchmarks (``link_rate.py``, ``flow_share.py``) share: the
+bench's emulated network of 4 hosts, with a receiver running on hosts 1-3
+while host 0 sends."""
+import contextlib
+import subprocess
+import sys
+import time
+
+from prophet_tf.bench import netns
+
+#: Seconds before measuring: TCP's slow start and the shaper's queue fill.
+SETTLE_S = 3.0
+
+
+def unavailable(script: str) -> bool:
+    """True (and says why on stderr) where the emulated network cannot be built."""
+    ok, why = netns.available()
+    if not ok:
+        print(f"{script}: needs the emulated network: {why}", file=sys.stderr)
+    return not ok
+
+
+@contextlib.contextmanager
+def receiving(mbit: float, receiver: str, *args: str):
+    """4 emulated hosts with links of ``mbit``, the Python code ``receiver``
+    (given ``args``) running on hosts 1, 2 and 3; yields the network."""
+    with netns.EmulatedNetwork(4, mbit) as net:
+        receivers = [subprocess.Popen(net.command(h, [sys.executable, "-c", receiver, *args]))
+                     for h in (1, 2, 3)]
+        try:
+            time.sleep(1.0)  # until they listen
+            yield net
+        finally:
+            for p in receivers:
+                p.kill()
+                p.wait(10)
+
+
+def command(script: str, argv) -> str:
+    """The command line that ran ``script``, for its JSON."""
+    return f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -85,7 +85,7 @@ ALL_SCHEDULERS = ("fifo", "p3", "bytescheduler", "prophet", "tf-mwms")
 #: carries 4.47 MB each way per step, as one link of an all-reduce does).
 #: ``ps`` None: one per worker host (colocated), else 1.
 DEFAULTS = {"model": "cnn", "workers": 2, "layout": "colocated", "ps": None,
-            "bandwidth_mbit": 200.0,
+            "bandwidth_mbit": 200.0, "host_queue": "fair",
             "latency_ms": 0.0, "steps": 30, "reps": 5, "global_batch": 64,
             "schedulers": ",".join(ALL_SCHEDULERS)}
 # Fixed: every host has its own namespace. A host's k-th PS task listens on
@@ -386,6 +386,11 @@ def run_bench(args, out=sys.stdout) -> dict:
     # shared token (prophet_tf.ps.security); a fresh one per invocation.
     shape_env: dict = {"PROPHET_TF_TOKEN": secrets.token_hex(16)}
     ok, why = netns.available(need_latency=args.latency_ms > 0)
+    if ok and args.host_queue == "fair":
+        fair_ok, fair_why = netns.available(need_fair_queue=True)
+        if not fair_ok:
+            raise SystemExit(f"prophet-tf bench: --host-queue fair cannot be built here "
+                             f"({fair_why}); pass --host-queue fifo")
     if ok:
         netns.cleanup_leftovers()  # of runs that were killed before their teardown
     else:
@@ -403,7 +408,8 @@ def run_bench(args, out=sys.stdout) -> dict:
     with tempfile.TemporaryDirectory(prefix="prophet-tf-bench-") as workdir:
         if ok:
             network = netns.EmulatedNetwork(
-                _Cluster.hosts(args.ps, args.workers, args.layout), link_mbit, latency_ms)
+                _Cluster.hosts(args.ps, args.workers, args.layout), link_mbit, latency_ms,
+                host_queue=args.host_queue)
         try:
             if network:
                 network.open()
@@ -414,7 +420,8 @@ def run_bench(args, out=sys.stdout) -> dict:
                           f"{args.time_scale:g})" if args.time_scale != 1 else "")
                 print(f"prophet-tf bench: emulated network {network.run_id}: {where}, "
                       f"{link_mbit:g} Mbit/s per link each way, latency "
-                      f"{latency_ms:g} ms{scaled}", file=out, flush=True)
+                      f"{latency_ms:g} ms{scaled}, {args.host_queue} host queues", file=out,
+                      flush=True)
             cluster = _Cluster(network, args.ps, args.workers, args.layout)
             # Emulated compute is its profile: nothing to measure.
             compute_reps = 0 if args.compute == "emulated" else min(args.reps, args.compute_reps)
@@ -471,6 +478,7 @@ def run_bench(args, out=sys.stdout) -> dict:
                                      for n in names if n != "tf-mwms"},
               "bytescheduler_search": search,
               "bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms,
+              "host_queue": args.host_queue if shaping == "netns" else None,
               "compute": args.compute, "compute_scale": args.scale,
               "time_scale": args.time_scale, "link_mbit": link_mbit,
               "link_latency_ms": latency_ms,
@@ -618,6 +626,10 @@ def _parse(argv):
                         help="each host link's bandwidth, each direction")
     parser.add_argument("--latency-ms", type=float, default=d["latency_ms"],
                         help="one-way latency between two hosts")
+    parser.add_argument("--host-queue", default=d["host_queue"], choices=netns.HOST_QUEUES,
+                        help="how each emulated host queues what it sends: fair (its "
+                             "connections in turn, as fq_codel) or fifo (one queue) "
+                             "(default %(default)s)")
     parser.add_argument("--steps", type=int, default=d["steps"], help="steps per run")
     parser.add_argument("--reps", type=int, default=d["reps"], help="interleaved repetitions")
     parser.add_argument("--global-batch", type=int, default=d["global_batch"])

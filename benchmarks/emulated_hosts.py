@@ -12,19 +12,20 @@ from prophet_tf.bench import netns
 SETTLE_S = 3.0
 
 
-def unavailable(script: str) -> bool:
+def unavailable(script: str, host_queue: str = "fair") -> bool:
     """True (and says why on stderr) where the emulated network cannot be built."""
-    ok, why = netns.available()
+    ok, why = netns.available(need_fair_queue=host_queue == "fair")
     if not ok:
         print(f"{script}: needs the emulated network: {why}", file=sys.stderr)
     return not ok
 
 
 @contextlib.contextmanager
-def receiving(mbit: float, receiver: str, *args: str):
-    """4 emulated hosts with links of ``mbit``, the Python code ``receiver``
-    (given ``args``) running on hosts 1, 2 and 3; yields the network."""
-    with netns.EmulatedNetwork(4, mbit) as net:
+def receiving(mbit: float, receiver: str, *args: str, host_queue: str = "fair"):
+    """4 emulated hosts with links of ``mbit`` (and ``host_queue``, see
+    ``netns``), the Python code ``receiver`` (given ``args``) running on
+    hosts 1, 2 and 3; yields the network."""
+    with netns.EmulatedNetwork(4, mbit, host_queue=host_queue) as net:
         receivers = [subprocess.Popen(net.command(h, [sys.executable, "-c", receiver, *args]))
                      for h in (1, 2, 3)]
         try:

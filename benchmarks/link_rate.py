@@ -1,9 +1,10 @@
 """How much of an emulated link's payload rate bulk TCP gets.
 
-    python benchmarks/link_rate.py [--mbit 125] [--seconds 6] [--json OUT]
+    python benchmarks/link_rate.py [--mbit 125] [--seconds 6] [--host-queue fair|fifo] \
+        [--json OUT]
 
 Builds the bench's emulated network (``prophet_tf.bench.netns``: 4 hosts,
-links shaped by ``tbf`` both ways), then sends bulk TCP from host 0 to
+links shaped both ways, host 0's sends through ``--host-queue``), then sends bulk TCP from host 0 to
 host 1 (one flow), and to hosts 1, 2 and 3 at once (three flows, as a
 worker's pushes to three PS tasks), and reads host 0's interface counter
 over the steady part of each. The load is what ``link_load`` reports for a
@@ -66,13 +67,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mbit", type=float, default=125.0, help="link rate, Mbit/s")
     parser.add_argument("--seconds", type=float, default=6.0, help="measured span per case")
+    parser.add_argument("--host-queue", default="fair", choices=netns.HOST_QUEUES,
+                        help="how host 0 queues what it sends (prophet_tf.bench.netns)")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
-    if unavailable("link_rate.py"):
+    if unavailable("link_rate.py", args.host_queue):
         return 2
     rate = ideal.payload_bytes_per_s(args.mbit)
     loads = {}
-    with receiving(args.mbit, RECEIVER) as net:
+    with receiving(args.mbit, RECEIVER, host_queue=args.host_queue) as net:
         for flows in (1, 3):
             loads[flows] = measure(net, flows, args.seconds, rate)
             print(f"{flows} flow(s): host 0's uplink at {loads[flows]:.3f} of the "
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": command("link_rate.py", argv), "link_mbit": args.mbit,
+                       "host_queue": args.host_queue,
                        "payload_bytes_per_s": rate, "measured_s": args.seconds,
                        "load_by_flows": {str(k): v for k, v in loads.items()}}, f, indent=1)
     return 0

@@ -115,7 +115,7 @@ def _caption(config: dict, runs: str) -> str:
 #: What may differ between the runs of one ``runs`` table (the bench records
 #: it only since it exists; pushes_first only at the experiment's commit,
 #: 24fed3e, see the README's "Where the links stand idle").
-_RUN_SETTINGS = ("answers_first", "pushes_first")
+_RUN_SETTINGS = ("answers_first", "pushes_first", "host_queue", "schedulers")
 
 
 def runs_table(runs: list[tuple[str, dict]]) -> str:
@@ -281,19 +281,32 @@ def events_table(result: dict) -> str:
 def flow_share_table(result: dict) -> str:
     """Markdown lines for a ``benchmarks/flow_share.py`` result: per number
     of connections, the messages' rate over the fair share, their times,
-    and the simulator's fitted ``share_sigma``."""
+    the simulator's fitted ``share_sigma``, and where the result has them,
+    each run's slowest connection's share of the messages and what the
+    sender's queue dropped and its TCP retransmitted."""
+    cases = sorted(result["by_connections"].items(), key=lambda kv: int(kv[0]))
+    by_connection = all("connection_shares_by_run" in c for _, c in cases)
+    extra = (" slowest connection's share, by run | dropped / retransmitted |"
+             if by_connection else "")
     lines = ["| connections | messages | rate / fair share (median) | median by run "
-             "| time 10% / 50% / 90% | time at the fair share | share_sigma |",
-             "|---|---|---|---|---|---|---|"]
-    for k, c in sorted(result["by_connections"].items(), key=lambda kv: int(kv[0])):
+             "| time 10% / 50% / 90% | time at the fair share | share_sigma |" + extra,
+             "|---|---|---|---|---|---|---|" + ("---|---|" if by_connection else "")]
+    for k, c in cases:
         deciles = c["duration_deciles_ms"]
-        lines.append(f"| {k} | {c['messages']} | {c['median_ratio']:.2f} | "
-                     + ", ".join(f"{x:.2f}" for x in c["median_ratio_by_run"])
-                     + f" | {deciles[0]:.1f} / {deciles[4]:.1f} / {deciles[8]:.1f} ms | "
-                     f"{result['message_bytes'] * int(k) / result['payload_bytes_per_s'] * 1e3:.1f}"
-                     f" ms | {c['share_sigma']:.2f} |")
+        line = (f"| {k} | {c['messages']} | {c['median_ratio']:.2f} | "
+                + ", ".join(f"{x:.2f}" for x in c["median_ratio_by_run"])
+                + f" | {deciles[0]:.1f} / {deciles[4]:.1f} / {deciles[8]:.1f} ms | "
+                f"{result['message_bytes'] * int(k) / result['payload_bytes_per_s'] * 1e3:.1f}"
+                f" ms | {c['share_sigma']:.2f} |")
+        if by_connection:
+            line += (" " + ", ".join(f"{min(shares):.2f}"
+                                     for shares in c["connection_shares_by_run"])
+                     + f" | {c['dropped_packets']} / {c['retransmitted_segments']} |")
+        lines.append(line)
     lines.append("")
-    lines.append(f"Links at {result['link_mbit']:g} Mbit/s, messages of "
+    queue = (f", {result['host_queue']} sender queue, TCP {result['congestion']}"
+             if "host_queue" in result and "congestion" in result else "")
+    lines.append(f"Links at {result['link_mbit']:g} Mbit/s{queue}, messages of "
                  f"{result['message_bytes'] // 1024} KiB, {_count(result['reps'], 'run')} of "
                  f"{result['measured_s']:g} s per case. From `{result['command']}`.")
     return "\n".join(lines) + "\n"

@@ -216,6 +216,16 @@ def test_a_flowshare_table_has_a_row_per_number_of_connections():
     assert lines[2] == "| 2 | 8 | 1.00 | 1.00, 1.00 | 40.0 / 40.0 / 40.0 ms | 40.0 ms | 0.00 |"
     assert lines[3] == "| 6 | 9 | 2.00 | 1.50, 2.50 | 10.0 / 50.0 / 90.0 ms | 120.0 ms | 1.25 |"
     assert "2 runs of 20 s" in lines[-1]
+    # A result with each connection's share: each run's slowest, and the losses.
+    for case, shares in (("6", [[0.07, 0.1, 1.2, 1.2, 1.3, 2.13], [0.5, 1, 1, 1, 1, 1.5]]),
+                         ("2", [[1.0, 1.0], [0.9, 1.1]])):
+        result["by_connections"][case].update(connection_shares_by_run=shares,
+                                              dropped_packets=0, retransmitted_segments=3)
+    result.update(host_queue="fifo", congestion="bbr")
+    lines = report.flow_share_table(result).splitlines()
+    assert lines[2].endswith("| 0.00 | 1.00, 0.90 | 0 / 3 |")
+    assert lines[3].endswith("| 1.25 | 0.07, 0.50 | 0 / 3 |")
+    assert "125 Mbit/s, fifo sender queue, TCP bbr," in lines[-1]
 
 
 def test_the_links_in_turns_prose_matches_its_validations():
@@ -241,3 +251,37 @@ def test_the_links_in_turns_prose_matches_its_validations():
              if r["workers"] == 4 and r["bandwidth_mbit"] == 3000]
         return f"{min(s):.2f}–{max(s):.2f} s"
     assert f"a median {spread(turns)} apart, against {spread(even)} with even sharing" in text
+
+
+def test_the_host_queue_prose_matches_its_runs():
+    """The README's figures for the fair host queue against one queue come
+    from the committed runs and their validations."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+
+    def load(name):
+        return json.loads((ROOT / "benchmarks" / name).read_text())
+
+    def step(model, queue, scheduler):
+        result = load(f"host-queue-{model}-4w-{queue}.json")
+        run = next(r for r in result["results"] if r["scheduler"] == scheduler)
+        return run["step_time_s"], run["step_time_s"] / result["config"]["ideal"]["ideal_s"]
+
+    def error(model, queue):
+        rows = load(f"simulate-validate-host-queue-{model}-4w-{queue}.json")["validation"]
+        return f"{abs(rows[0]['error']):.1%}"
+    (inc_fair, inc_fair_x), (inc_fifo, inc_fifo_x) = (step("inceptionv3", q, "prophet")
+                                                      for q in ("fair", "fifo"))
+    (res_fair, res_fair_x), (res_fifo, res_fifo_x) = (step("resnet50", q, "prophet")
+                                                      for q in ("fair", "fifo"))
+    assert (f"{inc_fair * 1e3:.1f} ms for InceptionV3, {inc_fair_x:.2f}x the bound, against "
+            f"{inc_fifo * 1e3:.1f} ms ({inc_fifo_x:.2f}x) through one queue, "
+            f"{inc_fair / inc_fifo:.2f}x; ResNet-50 {res_fair * 1e3:.1f} ms ({res_fair_x:.2f}x) "
+            f"against {res_fifo * 1e3:.1f} ms ({res_fifo_x:.2f}x), {res_fair / res_fifo:.2f}x"
+            ) in text
+    mwms = {m: step(m, "fair", "tf-mwms") for m in ("inceptionv3", "resnet50")}
+    assert (f"Prophet is {inc_fair / mwms['inceptionv3'][0]:.2f}x tf-mwms for InceptionV3 and "
+            f"{res_fair / mwms['resnet50'][0]:.2f}x for ResNet-50; tf-mwms is "
+            f"{mwms['inceptionv3'][1]:.2f}x and {mwms['resnet50'][1]:.2f}x the bound") in text
+    assert (f"fair-queue runs {error('inceptionv3', 'fair')} low (InceptionV3) and "
+            f"{error('resnet50', 'fair')} high (ResNet-50), and the one-queue runs "
+            f"{error('inceptionv3', 'fifo')} and {error('resnet50', 'fifo')} low") in text

@@ -111,8 +111,11 @@ def cell_directory(cell: dict) -> str:
     return "{model}-w{workers}-{bandwidth_mbit:g}".format(**cell)
 
 
-def _previous(path: str | None, suite: Suite) -> list[dict]:
-    """The cells of an earlier run of this suite in ``path`` (to keep).
+def _previous(path: str | None, suite: Suite, host_queue: str) -> list[dict]:
+    """The cells of an earlier run of this suite in ``path`` (to keep): those
+    made through ``host_queue`` (``netns``). A cell made through another
+    (one queue, if it predates the record) is run again, so one suite never
+    mixes the two.
 
     Raises:
       ValueError: ``path`` holds something else, or another definition of the suite.
@@ -135,7 +138,8 @@ def _previous(path: str | None, suite: Suite) -> list[dict]:
                          f"definition of suite {suite.name!r}); move it away or name a new "
                          f"file")
     wanted = {_key(c) for c in cells(suite)}
-    return [c for c in data.get("cells", []) if _key(c["cell"]) in wanted]
+    return [c for c in data.get("cells", []) if _key(c["cell"]) in wanted
+            and c.get("config", {}).get("host_queue", "fifo") == host_queue]
 
 
 def _write(path: str, data: dict) -> None:
@@ -151,7 +155,7 @@ def run_suite(name: str, json_path: str | None, timeline_dir: str | None = None,
     from prophet_tf.bench import runner
 
     suite = SUITES[name]
-    done = _previous(json_path, suite)
+    done = _previous(json_path, suite, runner.DEFAULTS["host_queue"])
     have = {_key(c["cell"]) for c in done}
     result = {"suite": dataclasses.asdict(suite), "cells": done, "elapsed_s": 0.0,
               "complete": False}

@@ -66,19 +66,26 @@ def test_a_suite_json_resumes_only_the_same_suite(tmp_path):
     path = tmp_path / "suite.json"
     result = _result(fifo=0.4, prophet=0.3)
     path.write_text(json.dumps(result))
-    kept = suite._previous(str(path), suite.SUITES["paper"])
+    # Made before the bench recorded its host queue: through one queue.
+    kept = suite._previous(str(path), suite.SUITES["paper"], "fifo")
     assert [c["cell"] for c in kept] == [c["cell"] for c in result["cells"]]
-    assert suite._previous(str(tmp_path / "absent.json"), suite.SUITES["paper"]) == []
+    assert suite._previous(str(path), suite.SUITES["paper"], "fair") == []
+    fair = dict(result, cells=[dict(c, config=dict(c.get("config", {}), host_queue="fair"))
+                               for c in result["cells"]])
+    path.write_text(json.dumps(fair))
+    kept = suite._previous(str(path), suite.SUITES["paper"], "fair")
+    assert [c["cell"] for c in kept] == [c["cell"] for c in result["cells"]]
+    assert suite._previous(str(tmp_path / "absent.json"), suite.SUITES["paper"], "fair") == []
     with pytest.raises(ValueError, match="holds another result \\('paper', or a different "
                                          "definition of suite 'smoke'\\)"):
-        suite._previous(str(path), suite.SUITES["smoke"])
+        suite._previous(str(path), suite.SUITES["smoke"], "fair")
     changed = dict(result, suite=dict(result["suite"], steps=99))
     path.write_text(json.dumps(changed))
     with pytest.raises(ValueError, match="different definition"):
-        suite._previous(str(path), suite.SUITES["paper"])
+        suite._previous(str(path), suite.SUITES["paper"], "fair")
     path.write_text("{half")
     with pytest.raises(ValueError, match="exists and is not JSON"):
-        suite._previous(str(path), suite.SUITES["paper"])
+        suite._previous(str(path), suite.SUITES["paper"], "fair")
 
 
 def test_suite_plot_and_table(tmp_path):

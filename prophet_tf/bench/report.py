@@ -113,8 +113,9 @@ def _caption(config: dict, runs: str) -> str:
 
 
 #: What may differ between the runs of one ``runs`` table (the bench records
-#: it only since it exists; pushes_first only at the experiment's commit,
-#: 24fed3e, see the README's "Where the links stand idle").
+#: each only since it exists; pushes_first only at the experiment's commit,
+#: 24fed3e, see the README's "Where the links stand idle"), and which
+#: schedulers each ran.
 _RUN_SETTINGS = ("answers_first", "pushes_first", "host_queue", "schedulers")
 
 

@@ -571,7 +571,8 @@ def print_table(result: dict, out=sys.stdout) -> None:
           f"{c['ps']} PS ({c.get('layout', 'dedicated')}), {c['bandwidth_mbit']:g} Mbit/s, "
           f"latency {c['latency_ms']:g} ms{scale}, "
           f"global batch {c['global_batch']}, {c['steps']} steps ({c['warmup_steps']} warm-up), "
-          f"{c['reps']} reps, shaping: {c['shaping']}", file=out)
+          f"{c['reps']} reps, shaping: {c['shaping']}"
+          + (f" ({c['host_queue']} host queues)" if c.get("host_queue") else ""), file=out)
     b = c["ideal"]
     print(f"compute {c['compute_s'] * 1e3:.1f} ms; ideal {b['ideal_s'] * 1e3:.1f} ms = max("
           f"compute {b['compute_s'] * 1e3:.1f}, busiest link {b['busiest_link_s'] * 1e3:.1f}, "

@@ -12,6 +12,12 @@ from prophet_tf.bench import netns
 SETTLE_S = 3.0
 
 
+def add_host_queue_argument(parser) -> None:
+    """``--host-queue``: how host 0 queues what it sends."""
+    parser.add_argument("--host-queue", default="fair", choices=netns.HOST_QUEUES,
+                        help="how host 0 queues what it sends (prophet_tf.bench.netns)")
+
+
 def unavailable(script: str, host_queue: str = "fair") -> bool:
     """True (and says why on stderr) where the emulated network cannot be built."""
     ok, why = netns.available(need_fair_queue=host_queue == "fair")

@@ -36,7 +36,8 @@ import statistics
 import subprocess
 import sys
 
-from emulated_hosts import SETTLE_S, command, receiving, unavailable
+from emulated_hosts import (SETTLE_S, add_host_queue_argument, command, receiving,
+                            unavailable)
 from prophet_tf.bench import ideal, netns, simulate
 
 PORT = 5001
@@ -173,8 +174,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="runs per case, pooled")
     parser.add_argument("--congestion", default=None,
                         help="the senders' TCP congestion control (default: the machine's)")
-    parser.add_argument("--host-queue", default="fair", choices=netns.HOST_QUEUES,
-                        help="how host 0 queues what it sends (prophet_tf.bench.netns)")
+    add_host_queue_argument(parser)
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     congestion = congestion_control(args.congestion)

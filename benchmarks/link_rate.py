@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 
-from emulated_hosts import SETTLE_S, command, receiving, unavailable
+from emulated_hosts import (SETTLE_S, add_host_queue_argument, command, receiving,
+                            unavailable)
 from prophet_tf.bench import ideal, netns
 
 PORT = 5000
@@ -67,8 +68,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mbit", type=float, default=125.0, help="link rate, Mbit/s")
     parser.add_argument("--seconds", type=float, default=6.0, help="measured span per case")
-    parser.add_argument("--host-queue", default="fair", choices=netns.HOST_QUEUES,
-                        help="how host 0 queues what it sends (prophet_tf.bench.netns)")
+    add_host_queue_argument(parser)
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     if unavailable("link_rate.py", args.host_queue):

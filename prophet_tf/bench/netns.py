@@ -209,30 +209,34 @@ def _tbf(rate_bits: float) -> list[str]:
     return ["tbf", "rate", f"{int(rate_bits)}bit", "burst", str(burst), "limit", str(limit)]
 
 
+#: Fibonacci hashing of the ports word: its top bits are well mixed.
+_HASH_MULTIPLIER = 2654435761
+_HASH_SHIFT = 32 - (FAIR_BUCKETS.bit_length() - 1)  # keeps log2(FAIR_BUCKETS) top bits
+
+
 def connection_leaf(source_port: int, destination_port: int) -> int:
     """The fair queue's leaf class (1..FAIR_BUCKETS) of a TCP packet with
     these ports: what the classifier of :func:`_connection_hash` computes."""
-    key = (source_port << 16 | destination_port) * 2654435761 % (1 << 32)
-    return (key >> (32 - (FAIR_BUCKETS.bit_length() - 1))) + 1
+    key = (source_port << 16 | destination_port) * _HASH_MULTIPLIER % (1 << 32)
+    return (key >> _HASH_SHIFT) + 1
 
 
-def _connection_hash(buckets: int, handle: int) -> str:
+def _connection_hash(handle: int) -> str:
     """A classic BPF program (``tc`` bytecode) that sends a TCP packet to
     leaf class ``handle``:(1 + hash of its ports) and anything else to the
-    extra leaf ``buckets + 1``. The packet starts at its Ethernet header
+    extra leaf ``FAIR_BUCKETS + 1``. The packet starts at its Ethernet header
     (14 bytes) and an IPv4 header without options (20 bytes: Linux TCP
     sets none), so the ports are the word at byte 34."""
-    shift = 32 - (buckets.bit_length() - 1)
     program = [
         (0x30, 0, 0, 23),                     # ldb [23]: the IP protocol
         (0x15, 0, 6, 6),                      # jeq #6 (TCP), else the last line
         (0x20, 0, 0, 34),                     # ld [34]: source port << 16 | dest port
-        (0x24, 0, 0, 2654435761),             # mul: Fibonacci hashing, the top
-        (0x74, 0, 0, shift),                  # rsh: bits are well mixed
+        (0x24, 0, 0, _HASH_MULTIPLIER),       # mul
+        (0x74, 0, 0, _HASH_SHIFT),            # rsh: the top bits
         (0x04, 0, 0, 1),                      # add #1: leaves are 1..buckets
         (0x44, 0, 0, handle << 16),           # or: class id handle:leaf
         (0x16, 0, 0, 0),                      # ret a
-        (0x06, 0, 0, handle << 16 | (buckets + 1)),  # ret #handle:(buckets + 1)
+        (0x06, 0, 0, handle << 16 | (FAIR_BUCKETS + 1)),  # ret #handle:(FAIR_BUCKETS + 1)
     ]
     return f"{len(program)}," + ",".join(f"{c} {jt} {jf} {k}" for c, jt, jf, k in program)
 
@@ -255,7 +259,7 @@ def _fair_queue(dev: str, parent: str, rate_bits: float, handle: int = 1) -> lis
                      f"cburst {burst} quantum 65536")
         lines.append(f"qdisc add dev {dev} parent {handle:x}:{leaf:x} bfifo limit {limit}")
     lines.append(f'filter add dev {dev} parent {handle:x}: prio 1 protocol ip bpf bytecode '
-                 f'"{_connection_hash(FAIR_BUCKETS, handle)}"')
+                 f'"{_connection_hash(handle)}"')
     return lines
 
 

@@ -12,7 +12,8 @@ A table is marked in the Markdown by the JSON it comes from::
 Kinds: ``bench`` (a ``prophet-tf bench --json`` result: median step time,
 range, throughput, ratios to FIFO, tf-mwms and the ideal bound), ``suite``
 (a ``prophet-tf bench --suite`` result: one row per cell, each scheduler's
-speedup over FIFO and Prophet's ratios) and ``validate`` (a ``prophet-tf
+speedup over FIFO and Prophet's ratios), ``targets`` (the same result against
+the suite's targets, each marked met or missed) and ``validate`` (a ``prophet-tf
 simulate --validate --json`` result: measured against predicted) and
 ``runs`` (a glob of bench results of one configuration, e.g. a setting on
 and off: a row per run and scheduler) and ``phases`` (a bench result's
@@ -33,7 +34,7 @@ import re
 import sys
 
 __all__ = ["bench_table", "events_table", "flow_share_table", "phases_table", "runs_table",
-           "suite_table", "validate_table", "render", "main"]
+           "suite_table", "targets_table", "validate_table", "render", "main"]
 
 _BLOCK = re.compile(r"(<!-- table: (\w+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
@@ -184,6 +185,45 @@ def suite_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def targets_table(result: dict) -> str:
+    """Markdown lines for a bench suite against its targets
+    (``suite.TARGETS``): per cell Prophet's ratios, each marked met or
+    missed, and the lowest ratio to tf-mwms the ideal bound allows; a line
+    of counts."""
+    from prophet_tf.bench import suite as suite_lib
+
+    t = suite_lib.targets(result)
+    limit = {k: f"{x:.1f}" if round(x, 1) == x else f"{x:.2f}"
+             for k, x in suite_lib.TARGETS.items()}
+
+    def f(x, met=None):
+        if x is None:
+            return "–"
+        return f"{x:.2f}" + ("" if met is None else " ✓" if met else " ✗")
+    lines = [f"| model | workers | Gbit/s | Prophet / tf-mwms (≤ {limit['vs_tf_mwms']}) | "
+             f"lowest possible (ideal / tf-mwms) | Prophet / ideal (≤ {limit['vs_ideal']}) | "
+             f"Prophet / best of P3, BS (≤ {limit['vs_rival']}; "
+             f"≤ {limit['vs_rival_somewhere']} somewhere) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in t["rows"]:
+        lines.append(f"| {r['model']} | {r['workers']} | {r['bandwidth_mbit'] / 1e3:g} | "
+                     f"{f(r['prophet_vs_tf_mwms'], r['met_vs_tf_mwms'])} | "
+                     f"{f(r['floor_vs_tf_mwms'])} | "
+                     f"{f(r['prophet_vs_ideal'], r['met_vs_ideal'])} | "
+                     f"{f(r['prophet_vs_rival'], r['met_vs_rival'])} |")
+    met, n = t["met"], t["cells"]
+    lines.append("")
+    lines.append(f"Of {n} cells, Prophet is at most {limit['vs_tf_mwms']}x tf-mwms in "
+                 f"{met['vs_tf_mwms']} (the ideal bound allows it in "
+                 f"{t['reachable_vs_tf_mwms']}), at most {limit['vs_ideal']}x the bound in "
+                 f"{met['vs_ideal']}, at most {limit['vs_rival']}x the better of P3 and "
+                 f"ByteScheduler in {met['vs_rival']} and at most "
+                 f"{limit['vs_rival_somewhere']}x in {met['vs_rival_somewhere']}"
+                 + (f"; no cell of {', '.join(t['models_not_run'])} ran." if t["models_not_run"]
+                    else "."))
+    return "\n".join(lines) + "\n"
+
+
 def validate_table(result: dict) -> str:
     """Markdown lines for a ``simulate --validate`` result; with uneven link
     sharing (``--flow-share``), also each run's range over the seeds and how
@@ -313,7 +353,8 @@ def flow_share_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-_KINDS = {"bench": bench_table, "suite": suite_table, "validate": validate_table,
+_KINDS = {"bench": bench_table, "suite": suite_table, "targets": targets_table,
+          "validate": validate_table,
           "runs": runs_table, "phases": phases_table, "events": events_table,
           "flowshare": flow_share_table}
 

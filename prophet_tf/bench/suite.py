@@ -26,7 +26,8 @@ import os
 import sys
 import time
 
-__all__ = ["Suite", "SUITES", "cells", "cell_directory", "run_suite", "summary"]
+__all__ = ["Suite", "SUITES", "TARGETS", "cells", "cell_directory", "run_suite", "summary",
+           "targets"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,12 @@ SUITES = {
                    compute_ms={"cnn": 40.0}, transport_mbit=200.0, steps=10, reps=1,
                    per_worker_batch=32, schedulers="fifo,prophet"),
 }
+
+
+#: What the paper suite is to show (Prophet's step against each peer's):
+#: in every cell at most 0.7x tf-mwms and 1.15x the ideal bound; at most
+#: 0.9x the better of P3 and ByteScheduler in some cell, 1.0x in all.
+TARGETS = {"vs_tf_mwms": 0.7, "vs_ideal": 1.15, "vs_rival_somewhere": 0.9, "vs_rival": 1.0}
 
 
 def cells(suite: Suite) -> list[dict]:
@@ -218,3 +225,34 @@ def summary(result: dict) -> list[dict]:
                                                c["config"]["ideal"]["ideal_s"]),
                      "answers_first": c["config"].get("answers_first")})
     return rows
+
+
+def targets(result: dict) -> dict:
+    """``TARGETS`` against a suite result: per cell (``summary``'s rows)
+    whether Prophet met each, and the lowest Prophet / tf-mwms any schedule
+    of the cell's bytes could reach (the ideal bound over tf-mwms's step);
+    the counts over the cells that ran; the models the suite defines and
+    ran no cell of. A target is None in a cell that lacks a run it needs.
+    Ratios are compared as the tables print them, to two decimals."""
+    rows = []
+    for r in summary(result):
+        def at_most(x, limit):
+            return None if x is None else round(x, 2) <= limit
+        rows.append({**r,
+                     "floor_vs_tf_mwms": None if not r["tf_mwms_vs_ideal"]
+                     else 1.0 / r["tf_mwms_vs_ideal"],
+                     "met_vs_tf_mwms": at_most(r["prophet_vs_tf_mwms"], TARGETS["vs_tf_mwms"]),
+                     "met_vs_ideal": at_most(r["prophet_vs_ideal"], TARGETS["vs_ideal"]),
+                     "met_vs_rival": at_most(r["prophet_vs_rival"], TARGETS["vs_rival"]),
+                     "met_vs_rival_somewhere": at_most(r["prophet_vs_rival"],
+                                                       TARGETS["vs_rival_somewhere"])})
+
+    def count(key):
+        return sum(1 for r in rows if r[key])
+    ran = {r["model"] for r in rows}
+    return {"rows": rows, "cells": len(rows),
+            "met": {k: count(f"met_{k}") for k in TARGETS},
+            # Where even the ideal bound is above 0.7x tf-mwms, no schedule meets it.
+            "reachable_vs_tf_mwms": sum(1 for r in rows if r["floor_vs_tf_mwms"] is not None
+                                        and r["floor_vs_tf_mwms"] <= TARGETS["vs_tf_mwms"]),
+            "models_not_run": [m for m in result["suite"]["models"] if m not in ran]}

@@ -108,6 +108,40 @@ def test_suite_plot_and_table(tmp_path):
     assert "| 3.20 | on |" in table and "| 3.20 | off |" in table and "–: run" not in table
 
 
+def test_targets_mark_each_cell_and_count_them():
+    # Cell 0: Prophet 0.7x tf-mwms (met, at the limit as printed), 1.2x the
+    # bound (missed), 0.85x P3 (met both). Cell 1: 0.91x tf-mwms while the
+    # bound is 0.91x of it (unreachable), 1.0x the bound, 1.003x BS (1.00
+    # as printed: met), no P3.
+    result = _result(fifo=0.2, p3=0.1412, bytescheduler=0.3, prophet=0.12,
+                     **{"tf-mwms": 0.17143})
+    first, second = result["cells"]
+    second["results"] = [{"scheduler": s, "step_time_s": t} for s, t in
+                         (("fifo", 0.12), ("bytescheduler", 0.0997), ("prophet", 0.1),
+                          ("tf-mwms", 0.11))]
+    t = suite.targets(result)
+    a, b = t["rows"]
+    assert (a["met_vs_tf_mwms"], a["met_vs_ideal"], a["met_vs_rival"],
+            a["met_vs_rival_somewhere"]) == (True, False, True, True)
+    assert (b["met_vs_tf_mwms"], b["met_vs_ideal"], b["met_vs_rival"],
+            b["met_vs_rival_somewhere"]) == (False, True, True, False)
+    assert b["floor_vs_tf_mwms"] == pytest.approx(0.1 / 0.11)
+    assert t["met"] == {"vs_tf_mwms": 1, "vs_ideal": 1, "vs_rival": 2, "vs_rival_somewhere": 1}
+    assert t["reachable_vs_tf_mwms"] == 1  # cell 0's bound is 0.58x tf-mwms
+    assert t["models_not_run"] == ["inceptionv3", "vgg16"]
+    table = report.targets_table(result)
+    assert "| 0.70 ✓ | 0.58 | 1.20 ✗ | 0.85 ✓ |" in table
+    assert "| 0.91 ✗ | 0.91 | 1.00 ✓ | 1.00 ✓ |" in table
+    assert ("Of 2 cells, Prophet is at most 0.7x tf-mwms in 1 (the ideal bound allows it in "
+            "1), at most 1.15x the bound in 1, at most 1.0x the better of P3 and "
+            "ByteScheduler in 2 and at most 0.9x in 1; no cell of inceptionv3, vgg16 ran."
+            ) in table
+    # A cell without tf-mwms has no mark for it and no floor.
+    second["results"] = second["results"][:3]
+    b = suite.targets(result)["rows"][1]
+    assert b["met_vs_tf_mwms"] is None and b["floor_vs_tf_mwms"] is None
+
+
 def test_a_suite_without_fifo_is_refused(tmp_path, capsys):
     path = tmp_path / "suite.json"
     path.write_text(json.dumps(_result(prophet=0.2)))

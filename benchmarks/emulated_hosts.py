@@ -1,12 +1,12 @@
 """What the link benchmarks (``link_rate.py``, ``flow_share.py``) share: the
-bench's emulated network of 4 hosts, with a receiver running on hosts 1-3
-while host 0 sends."""
+bench's emulated network of 4 hosts, host 0 sending to hosts 1-3, its
+``--host-queue`` and the time TCP takes to settle. The programs they run on
+the hosts are in ``prophet_tf.bench.link_probe`` (flow_share's, which the
+tests share) or their own (link_rate's)."""
 import contextlib
-import subprocess
 import sys
-import time
 
-from prophet_tf.bench import netns
+from prophet_tf.bench import link_probe, netns
 
 #: Seconds before measuring: TCP's slow start and the shaper's queue fill.
 SETTLE_S = 3.0
@@ -31,16 +31,9 @@ def receiving(mbit: float, receiver: str, *args: str, host_queue: str = "fair"):
     """4 emulated hosts with links of ``mbit`` (and ``host_queue``, see
     ``netns``), the Python code ``receiver`` (given ``args``) running on
     hosts 1, 2 and 3; yields the network."""
-    with netns.EmulatedNetwork(4, mbit, host_queue=host_queue) as net:
-        receivers = [subprocess.Popen(net.command(h, [sys.executable, "-c", receiver, *args]))
-                     for h in (1, 2, 3)]
-        try:
-            time.sleep(1.0)  # until they listen
-            yield net
-        finally:
-            for p in receivers:
-                p.kill()
-                p.wait(10)
+    with netns.EmulatedNetwork(4, mbit, host_queue=host_queue) as net, \
+            link_probe.running(net, receiver, *args):
+        yield net
 
 
 def command(script: str, argv) -> str:

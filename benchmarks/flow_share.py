@@ -36,58 +36,8 @@ import statistics
 import subprocess
 import sys
 
-from emulated_hosts import (SETTLE_S, add_host_queue_argument, command, receiving,
-                            unavailable)
-from prophet_tf.bench import ideal, netns, simulate
-
-PORT = 5001
-
-RECEIVER = f"""
-import socket, sys, threading
-size = int(sys.argv[1])
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", {PORT}))
-s.listen(16)
-def serve(c):
-    buf = bytearray(1 << 20)
-    while True:
-        left = size
-        while left:
-            n = c.recv_into(buf, min(left, len(buf)))
-            if not n:
-                return
-            left -= n
-        c.sendall(b"k")
-while True:
-    c, _ = s.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
-"""
-
-#: One thread per connection; prints "start end connection" (monotonic s,
-#: the connection's index) per message.
-SENDER = f"""
-import socket, sys, threading, time
-size, seconds, congestion, hosts = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4:]
-message = b"x" * size
-end = time.monotonic() + seconds
-lines = []
-def run(index, host):
-    c = socket.socket()
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    c.connect((host, {PORT}))
-    while time.monotonic() < end:
-        t0 = time.monotonic()
-        c.sendall(message)
-        if c.recv(1) != b"k":
-            raise SystemExit("receiver closed")
-        lines.append(f"{{t0}} {{time.monotonic()}} {{index}}")
-threads = [threading.Thread(target=run, args=(i, h)) for i, h in enumerate(hosts)]
-for t in threads: t.start()
-for t in threads: t.join()
-print("\\n".join(lines))
-"""
+from emulated_hosts import SETTLE_S, add_host_queue_argument, command, unavailable
+from prophet_tf.bench import ideal, link_probe, netns, simulate
 
 
 def measure(net: "netns.EmulatedNetwork", flows: int, size: int, seconds: float,
@@ -97,13 +47,9 @@ def measure(net: "netns.EmulatedNetwork", flows: int, size: int, seconds: float,
     retransmitted meanwhile."""
     hosts = [net.addresses[1 + i % 3] for i in range(flows)]
     before = _losses(net)
-    sender = subprocess.run(net.command(0, [sys.executable, "-c", SENDER, str(size),
-                                            str(SETTLE_S + seconds), congestion] + hosts),
-                            capture_output=True, text=True, timeout=SETTLE_S + seconds + 60,
-                            check=True)
+    spans = link_probe.send_messages(net, size, SETTLE_S + seconds, hosts,
+                                     congestion=congestion)
     dropped, retransmitted = (a - b for a, b in zip(_losses(net), before))
-    spans = sorted((float(start), float(end), int(index)) for start, end, index in
-                   (line.split() for line in sender.stdout.split("\n") if line))
     begin = spans[0][0] + SETTLE_S
     stop = max(end for _, end, _ in spans) - 1.0  # the last messages run with fewer flows
     kept = [(end - start, index) for start, end, index in spans if begin <= start and end <= stop]
@@ -183,7 +129,8 @@ def main(argv=None) -> int:
     rate = ideal.payload_bytes_per_s(args.mbit)
     size = args.kib * 1024
     runs: dict = {}
-    with receiving(args.mbit, RECEIVER, str(size), host_queue=args.host_queue) as net:
+    with netns.EmulatedNetwork(4, args.mbit, host_queue=args.host_queue) as net, \
+            link_probe.receiving(net, size):
         for _ in range(args.reps):  # interleaved, so a slow spell hits every case
             for flows in (2, 3, 6):
                 runs.setdefault(flows, []).append(measure(net, flows, size, args.seconds,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from prophet_tf.bench import netns
+from prophet_tf.bench import link_probe, netns
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OK, WHY = netns.available()
@@ -86,54 +86,26 @@ def test_fair_host_queue_shares_the_uplink_between_connections():
     # ports are chosen to land in different leaves, so no two share one.
     ports, leaves = [], set()
     for port in range(41000, 42000):
-        if netns.connection_leaf(port, 5001) not in leaves:
-            leaves.add(netns.connection_leaf(port, 5001))
+        if netns.connection_leaf(port, link_probe.PORT) not in leaves:
+            leaves.add(netns.connection_leaf(port, link_probe.PORT))
             ports.append(port)
         if len(ports) == 6:
             break
-    with netns.EmulatedNetwork(4, 125) as net:
-        receivers = [subprocess.Popen(net.command(h, [sys.executable, "-c", textwrap.dedent("""
-            import socket
-            import socket, threading
-            s = socket.socket(); s.bind(("0.0.0.0", 5001)); s.listen(2)
-            def serve(c):
-                buf = bytearray(1 << 18)
-                while True:
-                    left = 1 << 18
-                    while left:
-                        n = c.recv_into(buf, left)
-                        if not n:
-                            return
-                        left -= n
-                    c.sendall(b"k")
-            while True:
-                threading.Thread(target=serve, args=(s.accept()[0],)).start()""")]))
-                     for h in (1, 2, 3)]
-        try:
-            time.sleep(1.0)  # until they listen
-            sender = subprocess.run(net.command(0, [sys.executable, "-c", textwrap.dedent(f"""
-                import socket, threading, time
-                counts = [0] * 6
-                start = time.monotonic()
-                def run(i, host, port):
-                    c = socket.socket(); c.bind(("0.0.0.0", port)); c.connect((host, 5001))
-                    while time.monotonic() < start + 8:
-                        c.sendall(b"x" * (1 << 18))
-                        assert c.recv(1) == b"k"
-                        if time.monotonic() > start + 2:  # past slow start
-                            counts[i] += 1
-                threads = [threading.Thread(target=run, args=(i, h, p)) for i, (h, p) in
-                           enumerate(zip({net.addresses[1:] * 2!r}, {ports!r}))]
-                [t.start() for t in threads]; [t.join() for t in threads]
-                print(*counts)""")]), capture_output=True, text=True, check=True, timeout=60)
-        finally:
-            for r in receivers:
-                r.kill()
-                r.wait()
-    counts = [int(n) for n in sender.stdout.split()]
+    with netns.EmulatedNetwork(4, 125) as net, link_probe.receiving(net, 1 << 18):
+        spans = link_probe.send_messages(net, 1 << 18, 8.0, net.addresses[1:] * 2,
+                                         source_ports=ports)
+    start = spans[0][0] + 2.0  # past slow start
+    counts = [sum(1 for begin, _, i in spans if i == connection and begin >= start)
+              for connection in range(6)]
     even = sum(counts) / 6
     # 6 s at 125 Mbit/s carry ~340 messages: a sixth each, within 10%.
     assert all(abs(n - even) <= 0.1 * even for n in counts), counts
+
+
+def test_a_probe_needs_one_source_port_per_destination():
+    with pytest.raises(ValueError, match="Received: \\[41000\\]"):
+        link_probe.send_messages(None, 1 << 10, 1.0, ["10.0.0.2", "10.0.0.3"],
+                                 source_ports=[41000])
 
 
 @needs_netns
@@ -157,7 +129,7 @@ def test_removed_when_the_process_is_signalled(sig):
     code = textwrap.dedent("""
         import signal, time
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from prophet_tf.bench import netns
+        from prophet_tf.bench import link_probe, netns
         with netns.EmulatedNetwork(2, 100) as net:
             print(" ".join([net.bridge_ns, *net.hosts]), flush=True)
             time.sleep(60)

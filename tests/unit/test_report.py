@@ -285,3 +285,26 @@ def test_the_host_queue_prose_matches_its_runs():
     assert (f"fair-queue runs {error('inceptionv3', 'fair')} low (InceptionV3) and "
             f"{error('resnet50', 'fair')} high (ResNet-50), and the one-queue runs "
             f"{error('inceptionv3', 'fifo')} and {error('resnet50', 'fifo')} low") in text
+
+
+def test_the_fair_suite_prose_matches_its_json():
+    """The README's reading of the suite through fair host queues."""
+    from prophet_tf.bench import suite
+    text = " ".join((ROOT / "README.md").read_text().split())
+    result = json.loads((ROOT / "benchmarks" / "suite-paper-fair.json").read_text())
+    t = suite.targets(result)
+    rows = t["rows"]
+    assert t["met"]["vs_ideal"] == t["cells"]  # "within 1.15x the bound in every cell"
+    assert t["met"]["vs_tf_mwms"] == t["reachable_vs_tf_mwms"]  # "wherever the bound allows"
+    mwms_4w_3g = next(r for r in rows if r["workers"] == 4 and r["bandwidth_mbit"] == 3000)
+    assert f"tf-mwms itself is within {mwms_4w_3g['tf_mwms_vs_ideal']:.2f}x the bound" in text
+    assert mwms_4w_3g["floor_vs_tf_mwms"] > suite.TARGETS["vs_tf_mwms"]
+    rivals = [r["prophet_vs_rival"] for r in rows]
+    assert f"Prophet is {min(rivals):.2f}–{max(rivals):.2f}x the better of P3" in text
+    # The better of P3 and ByteScheduler against the bound, per cell.
+    best = [min(x["step_time_s"] for x in c["results"] if x["scheduler"] in ("p3",
+            "bytescheduler")) / c["config"]["ideal"]["ideal_s"] for c in result["cells"]]
+    assert f"That better one takes at most {max(best):.2f}x the bound in every cell" in text
+    assert max(best) * suite.TARGETS["vs_rival_somewhere"] < 1.0  # 0.9x it is below the bound
+    walls = [c["wall_s"] / 60 for c in result["cells"]]
+    assert (f"the first {len(walls)} of its 12 cells, in {sum(walls):.0f} minutes") in text

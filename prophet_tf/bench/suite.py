@@ -234,10 +234,10 @@ def targets(result: dict) -> dict:
     the counts over the cells that ran; the models the suite defines and
     ran no cell of. A target is None in a cell that lacks a run it needs.
     Ratios are compared as the tables print them, to two decimals."""
+    def at_most(x, limit):
+        return None if x is None else round(x, 2) <= limit
     rows = []
     for r in summary(result):
-        def at_most(x, limit):
-            return None if x is None else round(x, 2) <= limit
         rows.append({**r,
                      "floor_vs_tf_mwms": None if not r["tf_mwms_vs_ideal"]
                      else 1.0 / r["tf_mwms_vs_ideal"],
@@ -253,6 +253,7 @@ def targets(result: dict) -> dict:
     return {"rows": rows, "cells": len(rows),
             "met": {k: count(f"met_{k}") for k in TARGETS},
             # Where even the ideal bound is above 0.7x tf-mwms, no schedule meets it.
-            "reachable_vs_tf_mwms": sum(1 for r in rows if r["floor_vs_tf_mwms"] is not None
-                                        and r["floor_vs_tf_mwms"] <= TARGETS["vs_tf_mwms"]),
+            # Rounded as Prophet's ratio is, so a cell met is never counted unreachable.
+            "reachable_vs_tf_mwms": sum(1 for r in rows if at_most(r["floor_vs_tf_mwms"],
+                                                                   TARGETS["vs_tf_mwms"])),
             "models_not_run": [m for m in result["suite"]["models"] if m not in ran]}

@@ -129,7 +129,7 @@ def test_removed_when_the_process_is_signalled(sig):
     code = textwrap.dedent("""
         import signal, time
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from prophet_tf.bench import link_probe, netns
+        from prophet_tf.bench import netns
         with netns.EmulatedNetwork(2, 100) as net:
             print(" ".join([net.bridge_ns, *net.hosts]), flush=True)
             time.sleep(60)

@@ -293,18 +293,57 @@ def test_the_fair_suite_prose_matches_its_json():
     text = " ".join((ROOT / "README.md").read_text().split())
     result = json.loads((ROOT / "benchmarks" / "suite-paper-fair.json").read_text())
     t = suite.targets(result)
-    rows = t["rows"]
+    rows = {(r["model"], r["workers"], r["bandwidth_mbit"]): r for r in t["rows"]}
+    assert f"{len(rows)} of its 12 cells" in text
     assert t["met"]["vs_ideal"] == t["cells"]  # "within 1.15x the bound in every cell"
-    assert t["met"]["vs_tf_mwms"] == t["reachable_vs_tf_mwms"]  # "wherever the bound allows"
-    mwms_4w_3g = next(r for r in rows if r["workers"] == 4 and r["bandwidth_mbit"] == 3000)
-    assert f"tf-mwms itself is within {mwms_4w_3g['tf_mwms_vs_ideal']:.2f}x the bound" in text
-    assert mwms_4w_3g["floor_vs_tf_mwms"] > suite.TARGETS["vs_tf_mwms"]
-    rivals = [r["prophet_vs_rival"] for r in rows]
+    assert (f"at most 0.7x tf-mwms in {t['met']['vs_tf_mwms']} of the "
+            f"{t['reachable_vs_tf_mwms']} cells where the bound allows it") in text
+    unreachable = [k for k, r in rows.items()
+                   if round(r["floor_vs_tf_mwms"], 2) > suite.TARGETS["vs_tf_mwms"]]
+    assert unreachable == [("resnet50", 4, 3000), ("vgg16", 2, 3000)]
+    a, b = (rows[k]["tf_mwms_vs_ideal"] for k in unreachable)
+    assert f"tf-mwms itself is within {a:.2f}x the bound (ResNet-50" in text
+    assert f"and {b:.2f}x (VGG16, 2 workers, 3 Gbit/s)" in text
+    missed = [k for k, r in rows.items() if r["met_vs_tf_mwms"] is False and k not in unreachable]
+    assert missed == [("inceptionv3", 4, 3000)]
+    r = rows[missed[0]]
+    assert (f"0.7x tf-mwms is {0.7 * r['tf_mwms_vs_ideal']:.2f}x the bound and Prophet took "
+            f"{r['prophet_vs_ideal']:.2f}x") in text
+    rivals = [r["prophet_vs_rival"] for r in rows.values()]
     assert f"Prophet is {min(rivals):.2f}–{max(rivals):.2f}x the better of P3" in text
     # The better of P3 and ByteScheduler against the bound, per cell.
-    best = [min(x["step_time_s"] for x in c["results"] if x["scheduler"] in ("p3",
-            "bytescheduler")) / c["config"]["ideal"]["ideal_s"] for c in result["cells"]]
-    assert f"That better one takes at most {max(best):.2f}x the bound in every cell" in text
-    assert max(best) * suite.TARGETS["vs_rival_somewhere"] < 1.0  # 0.9x it is below the bound
-    walls = [c["wall_s"] / 60 for c in result["cells"]]
-    assert (f"the first {len(walls)} of its 12 cells, in {sum(walls):.0f} minutes") in text
+    best = {(c["cell"]["model"], c["cell"]["workers"], c["cell"]["bandwidth_mbit"]):
+            min(x["step_time_s"] for x in c["results"] if x["scheduler"] in ("p3", "bytescheduler"))
+            / c["config"]["ideal"]["ideal_s"] for c in result["cells"]}
+    over = {k: x for k, x in best.items() if x * suite.TARGETS["vs_rival_somewhere"] >= 1.0}
+    assert list(over) == [("inceptionv3", 4, 10000)]
+    rest = max(x for k, x in best.items() if k not in over)
+    assert (f"takes at most {rest:.2f}x the bound in {len(best) - 1} of the {len(best)} cells"
+            in text)
+    x = over[("inceptionv3", 4, 10000)]
+    assert f"it takes {x:.2f}x, so 0.9x it is {0.9 * x:.2f}x a bound set by compute" in text
+    cell = next(c for c in result["cells"] if c["cell"]["model"] == "inceptionv3"
+                and c["cell"]["workers"] == 4 and c["cell"]["bandwidth_mbit"] == 10000)
+    assert cell["config"]["ideal"]["ideal_s"] == pytest.approx(cell["config"]["ideal"]["compute_s"],
+                                                               rel=1e-3)
+
+
+def test_the_fair_suite_timelines_match_the_prose():
+    """What the README reads from the timelines of InceptionV3's 4-worker cells."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+
+    def breakdown(mbit):
+        d = json.loads((ROOT / "benchmarks" /
+                        f"breakdown-suite-fair-inceptionv3-4w-{mbit}.json").read_text())
+        return {run.split("/")[1].split("-")[0]: v for run, v in d["step_events"].items()}, d
+    events, whole = breakdown(3000)
+    eighth = [events[s]["link_load"]["sent"][7] for s in ("p3", "bytescheduler", "prophet")]
+    assert (f"the links send {min(eighth):.2f}–{max(eighth):.2f} of their rate in the eighth "
+            f"tenth") in text
+    spreads = [s["spread_ms"] / 1e3 for run, steps in whole["answer_tails"].items()
+               if "fifo" not in run for s in steps]
+    assert f"last answers arrive {min(spreads):.1f}–{max(spreads):.1f} s apart" in text
+    events, _ = breakdown(10000)
+    late = [x for s in ("fifo", "p3", "bytescheduler", "prophet")
+            for x in events[s]["link_load"]["sent"][5:]]
+    assert f"send {min(late):.2f}–{max(late):.2f} of their rate through the last half" in text

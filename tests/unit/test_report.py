@@ -347,3 +347,16 @@ def test_the_fair_suite_timelines_match_the_prose():
     late = [x for s in ("fifo", "p3", "bytescheduler", "prophet")
             for x in events[s]["link_load"]["sent"][5:]]
     assert f"send {min(late):.2f}–{max(late):.2f} of their rate through the last half" in text
+
+
+def test_the_fair_suite_validation_prose_matches_its_json():
+    text = " ".join((ROOT / "README.md").read_text().split())
+    runs = json.loads((ROOT / "benchmarks" / "simulate-validate-suite-fair.json").read_text())
+    errors = [(r["model"], r["scheduler"], r["error"]) for r in runs["validation"]]
+    beyond = [e for e in errors if abs(e[2]) > 0.10]
+    assert f"predicts {len(errors) - len(beyond)} of these {len(errors)} PS runs within 10%" in text
+    fifo = [e for _, s, e in beyond if s == "fifo"]
+    assert (f"FIFO in {len(fifo)} cells ({-max(fifo):.1%}–{-min(fifo):.1%} low)"
+            .replace("%–", "–") in text)
+    vgg = {s: e for m, s, e in beyond if m == "vgg16"}
+    assert f"P3 and Prophet on VGG16 ({vgg['p3']:.1%} and {vgg['prophet']:.1%} high)" in text

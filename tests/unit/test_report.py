@@ -360,3 +360,10 @@ def test_the_fair_suite_validation_prose_matches_its_json():
             .replace("%–", "–") in text)
     vgg = {s: e for m, s, e in beyond if m == "vgg16"}
     assert f"P3 and Prophet on VGG16 ({vgg['p3']:.1%} and {vgg['prophet']:.1%} high)" in text
+    costs = {r["scheduler"]: r["message_costs"] for r in runs["validation"]
+             if r["model"] == "vgg16"}
+    assert (f"rest on {costs['p3']['messages']} and {costs['prophet']['messages']} local pushes "
+            f"against {costs['fifo']['messages']} and {costs['bytescheduler']['messages']} for "
+            f"FIFO and ByteScheduler") in text
+    assert (f"at the ends ({costs['p3']['overhead_s'] * 1e3:.1f} and "
+            f"{costs['prophet']['overhead_s'] * 1e3:.1f} ms)") in text

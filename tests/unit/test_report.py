@@ -295,6 +295,12 @@ def test_the_fair_suite_prose_matches_its_json():
     t = suite.targets(result)
     rows = {(r["model"], r["workers"], r["bandwidth_mbit"]): r for r in t["rows"]}
     assert f"{len(rows)} of its 12 cells" in text
+    walls = [c["wall_s"] / 60 for c in result["cells"]]  # in the suite's order
+    first = [w for c, w in zip(result["cells"], walls) if c["cell"]["model"] != "vgg16"
+             and not (c["cell"]["model"] == "inceptionv3" and c["cell"]["workers"] == 4)]
+    assert f"The first {len(first)} ran at commit bc68726 in {sum(first):.0f} minutes" in text
+    assert (f"for the next {len(walls) - len(first)} in {sum(walls) - sum(first):.0f} minutes"
+            in text)
     assert t["met"]["vs_ideal"] == t["cells"]  # "within 1.15x the bound in every cell"
     assert (f"at most 0.7x tf-mwms in {t['met']['vs_tf_mwms']} of the "
             f"{t['reachable_vs_tf_mwms']} cells where the bound allows it") in text

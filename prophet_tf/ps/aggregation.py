@@ -24,8 +24,17 @@ steps are skipped as all workers' verdicts say (``verdicts.py``).
 Sums are accumulated in float32 for float16/bfloat16 gradients (so W low-
 precision gradients do not lose bits; the optimizer casts the sum to the
 variable dtype as Keras does), and in the gradient dtype for float32/float64
-(integer-valued float32 sums are exact up to 2**24). Workers are summed in
-arrival order.
+(integer-valued float32 sums are exact up to 2**24). Each worker's chunk is
+kept until all W have arrived and they are summed in worker order 0..W-1,
+whatever the arrival order: every run and every scheduler give the same bits.
+
+Weights: a chunk of a Keras train step carries the rows of its worker's share
+of the batch (``GradientChunk.batch_rows``). Keras divides each worker's mean
+loss by W, so when the shares differ (3 workers and a batch of 64, a last
+partial batch) worker w's gradient is weighted by ``W * rows_w / sum(rows)``
+and the sum is the global batch's mean gradient, as single-process training
+computes it. Equal shares, or chunks without rows (custom loops, whose loss is
+already scaled by the global batch), are summed as they are.
 """
 
 from __future__ import annotations
@@ -58,8 +67,9 @@ def check_content(request, model: registration.Model, parts: dict, ps_index: int
     ``parts`` is the installed model's partitions (fixed once installed).
 
     Returns:
-        ``(chunks, learning_rate)``: ``[(part, iteration, array)]`` (arrays
-        are views of the request) and the push's learning rate or None.
+        ``(chunks, learning_rate)``: ``[(part, iteration, array, batch_rows)]``
+        (arrays are views of the request; rows None when not sent) and the
+        push's learning rate or None.
 
     Raises:
         RpcError: the push must be rejected as a whole.
@@ -80,7 +90,7 @@ def check_content(request, model: registration.Model, parts: dict, ps_index: int
                           f"Inf values (of {array.size}); the whole push is rejected "
                           f"and nothing of it was summed. Received: worker_id={wid}, "
                           f"step={step}")
-        chunks.append((part, step, array))
+        chunks.append((part, step, array, _batch_rows_of(c, part, wid)))
     learning_rate = _learning_rate_of(request)
     if learning_rate is not None:
         if not math.isfinite(learning_rate) or learning_rate < 0:
@@ -98,13 +108,14 @@ def check_iterations(chunks: list, worker_id: int) -> list:
     the state lock (versions and arrivals change under it).
 
     Returns:
-        ``[(part, iteration, array)]`` with ``array`` None for a duplicate.
+        ``[(part, iteration, array, batch_rows)]`` with ``array`` None for a
+        duplicate.
 
     Raises:
         RpcError: the push must be rejected as a whole.
     """
     accepted, seen = [], set()
-    for part, step, array in chunks:
+    for part, step, array, rows in chunks:
         if part.failed:
             raise RpcError(grpc.StatusCode.INTERNAL, part.failed)
         v = part.version
@@ -125,42 +136,73 @@ def check_iterations(chunks: list, worker_id: int) -> list:
                                f"partition is at version {v}, accepting step {v}. "
                                f"Received: step={step}")
         seen.add(key)
-        accepted.append((part, step, None if duplicate else array))
+        accepted.append((part, step, None if duplicate else array, rows))
     return accepted
 
 
 def add(accepted: list, worker_id: int, num_workers: int) -> tuple[list, int]:
-    """Sums the checked chunks in; nothing can fail here. Under the state lock.
+    """Keeps the checked chunks until their sums are complete; nothing can fail
+    here. Under the state lock.
 
     Returns:
         ``(completed, duplicates)``: ``[(part, iteration, total)]`` of the
-        partitions whose sum now holds all ``num_workers`` workers (their
-        sums are handed over and reset), and the number of duplicates.
+        partitions that now hold all ``num_workers`` workers' chunks, summed
+        in worker order (:func:`worker_order_sum`), and the number of
+        duplicates.
     """
     completed, duplicates = [], 0
-    for part, step, array in accepted:
+    for part, step, array, rows in accepted:
         if array is None:
             duplicates += 1
             continue
-        _accumulate(part, array)
-        part.arrived.add(worker_id)
+        part.arrived[worker_id] = (array, rows)
         if len(part.arrived) == num_workers:
-            completed.append((part, step, part.acc))
-            part.acc, part.acc_owned = None, False
+            arrivals = [part.arrived[w] for w in range(num_workers)]
+            completed.append((part, step, worker_order_sum(part.spec.dtype, arrivals)))
+            # The workers stay marked (a retry is a duplicate) until the apply.
+            part.arrived = dict.fromkeys(part.arrived)
     return completed, duplicates
 
 
-def _accumulate(part, array) -> None:
-    sum_dtype = SUM_DTYPES[part.spec.dtype]
-    if part.acc is None:
-        if array.dtype == sum_dtype:
-            part.acc, part.acc_owned = array, False  # a view of the request: no copy
-        else:
-            part.acc, part.acc_owned = array.astype(sum_dtype), True
-    elif part.acc_owned:
-        np.add(part.acc, array.astype(sum_dtype, copy=False), out=part.acc)
+def share_weights(rows: list) -> list | None:
+    """Each worker's weight ``W * rows_w / sum(rows)``; None when every worker counts
+    the same (equal shares, or rows not sent by every worker: summed as they are)."""
+    if any(r is None for r in rows) or len(set(rows)) == 1 or sum(rows) == 0:
+        return None
+    total = sum(rows)
+    return [len(rows) * r / total for r in rows]
+
+
+def worker_order_sum(dtype: str, arrivals: list) -> np.ndarray:
+    """``[(array, rows)]`` of workers 0..W-1 summed in that order, weighted by
+    :func:`share_weights`, in the sum dtype (:data:`SUM_DTYPES`)."""
+    sum_dtype = SUM_DTYPES[dtype]
+
+    def in_sum_dtype(array):
+        return array if array.dtype == sum_dtype else array.astype(sum_dtype)
+
+    weights = share_weights([rows for _, rows in arrivals])
+    if weights is None:
+        total = arrivals[0][0].astype(sum_dtype)  # a copy: the request is not ours
+        for array, _ in arrivals[1:]:
+            total += in_sum_dtype(array)
+        return total
+    total = in_sum_dtype(arrivals[0][0]) * sum_dtype(weights[0])
+    for (array, _), weight in zip(arrivals[1:], weights[1:]):
+        total += in_sum_dtype(array) * sum_dtype(weight)
+    return total
+
+
+def _batch_rows_of(chunk, part, worker_id: int) -> int | None:
+    """A chunk's ``batch_rows``: None when not sent; raises when out of range."""
+    if isinstance(chunk, ps_pb2.GradientChunk):  # Parsed by protobuf (tests, other clients).
+        rows = chunk.batch_rows if chunk.HasField("batch_rows") else None
     else:
-        part.acc, part.acc_owned = np.add(part.acc, array, dtype=sum_dtype), True
+        rows = chunk.batch_rows
+    if rows is not None and not 0 <= rows < 1 << 40:
+        raise invalid(f"batch_rows of {part.name} must be a row count >= 0. Received: "
+                      f"batch_rows={rows} from worker_id={worker_id}")
+    return rows
 
 
 def _learning_rate_of(request) -> float | None:

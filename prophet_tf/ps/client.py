@@ -39,6 +39,7 @@ class Chunk:
     partition: int
     step: int  # the iteration
     array: np.ndarray
+    batch_rows: int | None = None  # rows of this worker's share (GradientChunk.batch_rows)
 
 
 class PSClient:

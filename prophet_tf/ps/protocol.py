@@ -219,7 +219,9 @@ def encode_push(worker_id: int, chunks: Sequence, learning_rate: float | None = 
     for c in chunks:
         data = codec.as_bytes_view(c.array)
         head = ps_pb2.GradientChunk(key=c.key, step=c.step, partition=c.partition,
-                                    dtype=codec.dtype_name(c.array.dtype)).SerializeToString()
+                                    dtype=codec.dtype_name(c.array.dtype),
+                                    batch_rows=c.batch_rows
+                                    ).SerializeToString()
         head += encode_len_field_header(_GRADIENT_CHUNK.data, data.nbytes)
         frame = encode_len_field_header(_PUSH_REQUEST.chunks, len(head) + data.nbytes)
         parts += (frame, head, data)
@@ -233,6 +235,7 @@ class GradientChunk(NamedTuple):
     partition: int
     dtype: str
     data: memoryview  # a slice of the received message: no copy
+    batch_rows: int | None = None  # see GradientChunk.batch_rows
 
 
 class PushRequest(NamedTuple):
@@ -264,7 +267,8 @@ def parse_push_request(message: bytes, max_chunks: int = 1 << 16) -> PushRequest
             c = parse_fields(raw, max_fields=64, types=g.wire_types)
             chunks.append(GradientChunk(c.get(g.key, 0), c.get(g.step, 0),
                                         c.get(g.partition, 0), str(c.get(g.dtype, b""), "utf-8"),
-                                        c.get(g.data, memoryview(b""))))
+                                        c.get(g.data, memoryview(b"")),
+                                        c.get(g.batch_rows)))
         learning_rate = None
         if f.learning_rate in top:
             learning_rate = struct.unpack("<d", top[f.learning_rate])[0]

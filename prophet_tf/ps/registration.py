@@ -47,9 +47,9 @@ class Part:
     dtype: np.dtype
     variable: object  # keras.Variable holding rows [row_begin, row_end)
     version: int = -1  # iterations applied; -1: no initial value yet
-    arrived: set = dataclasses.field(default_factory=set)  # workers in iteration `version`
-    acc: np.ndarray | None = None
-    acc_owned: bool = False  # acc is our buffer (not a view of a request)
+    # Workers in iteration `version`: worker -> (its gradient, a view of its
+    # request, and its batch rows), or -> None once the sum is handed over.
+    arrived: dict = dataclasses.field(default_factory=dict)
     encoded: bytes | None = None  # ParameterChunk of `version`, shared by pullers
     failed: str | None = None
     apply_fn: object = None  # traced optimizer update of this partition

@@ -307,7 +307,7 @@ class ParameterServerServicer(KerasRPCs):
         with self._lock:
             accepted = aggregation.check_iterations(chunks, wid)
             if learning_rate is not None:
-                for _, iteration, _ in accepted:
+                for _, iteration, _, _ in accepted:
                     self._applier.set_learning_rate_locked(iteration, learning_rate)
             completed, duplicates = aggregation.add(accepted, wid, W)
             if self._trace:
@@ -372,7 +372,7 @@ class ParameterServerServicer(KerasRPCs):
             self._trace.record("applied", part, version)
         with self._lock:
             part.encoded, part.version = encoded, version
-            part.arrived = set()
+            part.arrived = {}
             complete = self._count_version_locked(version)
             self._published.notify_all()
         if complete and self._checkpointer and self._checkpointer.due(version):

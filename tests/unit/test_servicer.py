@@ -315,6 +315,71 @@ def test_two_workers_integer_gradients_sum_exactly(ready):
             np.testing.assert_array_equal(got[k], expected[k])
 
 
+def three_workers(make_servicer):
+    """W=3, SGD(lr=1), registered by every worker, version 0."""
+    servicer = make_servicer(num_workers=3)
+    cfg = config(keras.optimizers.SGD(1.0))
+    values = initial()
+    for worker in range(3):
+        register(servicer, worker, cfg, values if worker == 0 else None)
+    return servicer, values
+
+
+def with_rows(chunks, rows):
+    for c in chunks:
+        c.batch_rows = rows
+    return chunks
+
+
+def order_sensitive(worker):
+    """Gradients whose float32 sum depends on the order of the additions."""
+    big = {0: np.float32(1e8), 1: np.float32(-1e8), 2: np.float32(1.0)}[worker]
+    return {key: np.full(shape, big, np.float32) for key, (_, shape) in SHAPES.items()}
+
+
+@pytest.mark.parametrize("arrival", [(0, 1, 2), (2, 1, 0), (1, 2, 0), (2, 0, 1)])
+def test_workers_are_summed_in_worker_order_whatever_the_arrival_order(make_servicer, arrival):
+    servicer, values = three_workers(make_servicer)
+    for worker in arrival:
+        assert push(servicer, worker, grad_chunks(order_sensitive(worker), 0)) == 0
+    got, _ = pull(servicer, 1)
+    for key, value in values.items():
+        total = np.float32(1.0)  # (1e8 - 1e8) + 1; 2, 0, 1 would give (1 + 1e8) - 1e8 = 0
+        np.testing.assert_array_equal(got[key], value - total)  # bit for bit
+
+
+def test_a_train_step_s_gradients_are_weighted_by_each_worker_s_rows(make_servicer):
+    """Keras divides each worker's mean loss by W: a share of 1 row of 4 weighs W/4."""
+    servicer, values = three_workers(make_servicer)
+    grads = [ints(30 + w) for w in range(3)]
+    rows = [1, 1, 2]
+    for worker in (2, 0, 1):
+        push(servicer, worker, with_rows(grad_chunks(grads[worker], 0), rows[worker]))
+    got, _ = pull(servicer, 1)
+    for key, value in values.items():
+        expected = value - sum(np.float32(3 * r / 4) * grads[w][key]
+                               for w, r in enumerate(rows))
+        np.testing.assert_allclose(got[key], expected, rtol=1e-6, atol=1e-6)
+    # Equal shares, or rows from no worker (a custom loop): plain sums.
+    for step, step_rows in ((1, [2, 2, 2]), (2, [None] * 3)):
+        for worker in range(3):
+            chunks = grad_chunks(grads[worker], step)
+            push(servicer, worker, chunks if step_rows[worker] is None
+                 else with_rows(chunks, step_rows[worker]))
+        before, got = got, pull(servicer, step + 1)[0]
+        for key in values:
+            np.testing.assert_array_equal(got[key], before[key] - (
+                (grads[0][key] + grads[1][key]) + grads[2][key]))
+
+
+def test_negative_batch_rows_are_refused(make_servicer):
+    servicer, _ = three_workers(make_servicer)
+    before = state(servicer)
+    expect_abort(servicer.Push, ps_pb2.PushRequest(worker_id=0, chunks=with_rows(
+        grad_chunks(ints(1), 0), -1)), grpc.StatusCode.INVALID_ARGUMENT, "batch_rows=-1")
+    assert same_state(before, state(servicer))
+
+
 def test_duplicates_are_counted_not_summed(ready):
     servicer, values = ready
     g0, g1 = ints(1), ints(2)
@@ -332,14 +397,15 @@ def test_duplicates_are_counted_not_summed(ready):
 
 
 def state(servicer):
-    return {key: (p.version, frozenset(p.arrived), None if p.acc is None else p.acc.copy())
+    return {key: (p.version, frozenset(p.arrived), _held(p))
             for key, p in servicer._parts.items()}
 
 
 def same_state(a, b):
     return a.keys() == b.keys() and all(
-        a[k][:2] == b[k][:2] and (a[k][2] is None) == (b[k][2] is None)
-        and (a[k][2] is None or np.array_equal(a[k][2], b[k][2])) for k in a)
+        a[k][:2] == b[k][:2] and a[k][2].keys() == b[k][2].keys()
+        and all((x is None) == (y is None) and (x is None or np.array_equal(x, y))
+                for x, y in zip(a[k][2].values(), b[k][2].values())) for k in a)
 
 
 @pytest.mark.parametrize("mutate, code, fragments", [
@@ -664,3 +730,8 @@ def test_rejections_are_logged_at_most_once_per_interval_with_a_count(ready, cap
     with caplog.at_level("INFO", logger="prophet_tf.ps.servicer"):
         expect_abort(servicer.Heartbeat, bad, grpc.StatusCode.INVALID_ARGUMENT, "worker_id")
     assert "(49 more Heartbeat rejections not logged)" in caplog.records[-1].getMessage()
+
+
+def _held(part):
+    """The gradients a partition holds for its current iteration, by worker."""
+    return {w: None if a is None else np.array(a[0]) for w, a in part.arrived.items()}

@@ -31,16 +31,19 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
+from tensorflow.python.distribute import reduce_util
 from tensorflow.python.ops import control_flow_util
 
 from prophet_tf import _keras_compat
 from prophet_tf import _native
 from prophet_tf import cluster as cluster_lib
 from prophet_tf import devices
+from prophet_tf import distributed_input
 from prophet_tf import keras_optimizer
 from prophet_tf import loss_scaling
 from prophet_tf import saved_state
 from prophet_tf import whole_data
+from prophet_tf.distributed_input import split_batches  # noqa: F401 (public)
 from prophet_tf.variables import PSVariable
 
 logger = logging.getLogger(__name__)
@@ -159,6 +162,11 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         # most two are in flight), and this trace's op that records it.
         self._rates: tf.Variable | None = None
         self._rate_recorded = None
+        # Rows of this worker's share of each step's batch by step number (-1:
+        # not a Keras train step), and this trace's tensor of them.
+        self._rows_ring: tf.Variable | None = None
+        self._share_rows = None
+        self._rows_recorded = None
         self._eager_warned = False
         # The model's LossScaleOptimizer (mixed_float16), once its steps are
         # decided with all workers (loss_scaling.py); None without loss scaling.
@@ -188,17 +196,13 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
 
     # -- input -----------------------------------------------------------------------------
 
-    # Keras iterates what these return. They are plain tf.data datasets, not
-    # OneDeviceStrategy's DistributedDataset: its iterator is a
-    # MultiDeviceIterator whose background prefetch thread TensorFlow 2.21 can
-    # leave running on a freed iterator when Keras drops one (fit -> evaluate),
-    # a SIGSEGV (README "How it works", "Input"). A plain iterator runs GetNext
-    # in the step itself, as single-process Keras does, and needs no copy to
-    # this strategy's CPU.
+    # What these return is marked as distributed, so Keras does not split it
+    # again, and iterates as a plain tf.data dataset (distributed_input.py).
 
     def _experimental_distribute_dataset(self, dataset, options):
         _check_replication_mode(options)
-        return split_batches(dataset, self.cluster.num_workers, self.cluster.task_index)
+        return distributed_input.distribute_dataset(dataset, self.cluster.num_workers,
+                                                    self.cluster.task_index)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         _check_replication_mode(options)
@@ -210,7 +214,25 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         if not isinstance(dataset, tf.data.Dataset):
             raise ValueError("The function given to distribute_datasets_from_function must "
                              f"return a tf.data.Dataset. Received: {type(dataset).__name__}")
-        return dataset
+        return distributed_input.DistributedDataset(dataset, "from_function")
+
+    # -- cross-worker results ---------------------------------------------------------------
+
+    # Strategy.reduce and Strategy.gather give the whole cluster's answer on
+    # every worker, through PS task 0 as the metrics are; every worker must
+    # make the same calls in the same order, as with TensorFlow's collectives.
+
+    def _reduce(self, reduce_op, value):
+        value = self._local_results(value)[0]
+        if self.cluster.num_workers == 1:
+            return value
+        return self.exchange.reduce(value, mean=reduce_op == reduce_util.ReduceOp.MEAN)
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        value = self._local_results(value)[0]
+        if self.cluster.num_workers == 1:
+            return value
+        return self.exchange.concat(value, axis)
 
     # -- gradients -------------------------------------------------------------------------
 
@@ -223,6 +245,9 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                           "waits for all parameters. Use run_eagerly=False for speed.",
                           stacklevel=2)
         model, kind = whole_data.keras_step(fn)
+        # A Keras train step's loss is this worker's mean over its rows divided
+        # by W: the PS weights its gradient by its rows (GradientChunk.batch_rows).
+        self._share_rows = _rows_of(args) if whole_data.is_train_step(fn) else None
         if kind == "train_step" and loss_scaling.is_loss_scale_optimizer(model.optimizer):
             self._install_loss_scaling(model.optimizer)
         if model is None or self.cluster.num_workers == 1:
@@ -293,12 +318,14 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             grad = tf.ensure_shape(grad, var.shape)
         if position == 0:
             self._rate_recorded = self._record_learning_rate(fn)
+            self._rows_recorded = self._record_share_rows()
         self._trained_this_trace.append(var)
         if len(self._trained_this_trace) == len(self._raw_grads):
             self._register(list(self._trained_this_trace), fn)
-        if self._rate_recorded is not None:
-            # The engine reads the step's rate when its first gradient arrives.
-            with tf.control_dependencies([self._rate_recorded]):
+        recorded = [op for op in (self._rate_recorded, self._rows_recorded) if op is not None]
+        if recorded:
+            # The engine reads the step's rate and rows when its first gradient arrives.
+            with tf.control_dependencies(recorded):
                 grad = tf.identity(grad)
         with tf.device(self._host_device):  # The gradient is copied from the compute device.
             _native.push_grad(var.handle, tf.cast(grad, var.dtype), key=var.native_key, step=self._step_value)
@@ -319,6 +346,21 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         slot = tf.math.floormod(self._step_value, RATE_SLOTS)
         rate = tf.cast(tf.convert_to_tensor(variable), tf.float64)
         return self._rates.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(rate, [1]))
+
+    def _record_share_rows(self):
+        """This step's share rows (-1 when not a Keras train step), where the engine reads them."""
+        if self._rows_ring is None:
+            with tf.init_scope(), tf.device(self._host_device):  # the engine reads it
+                self._rows_ring = tf.Variable(tf.fill([RATE_SLOTS], tf.constant(-1, tf.int64)),
+                                              trainable=False, name="prophet_tf_share_rows")
+        rows = tf.constant(-1, tf.int64) if self._share_rows is None else self._share_rows
+        slot = tf.math.floormod(self._step_value, RATE_SLOTS)
+        return self._rows_ring.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(rows, [1]))
+
+    def _rows_of_step(self, step: int) -> int | None:
+        """The share rows step ``step`` recorded (``_record_share_rows``); None: unweighted."""
+        rows = int(self._rows_ring.numpy()[step % RATE_SLOTS])
+        return None if rows < 0 else rows
 
     def _rate_of_step(self, step: int) -> float:
         """The rate step ``step`` recorded (``_record_learning_rate``)."""
@@ -350,7 +392,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                        if self.engine.worker_id == 0 else None)
             rates = self._rate_of_step if self._rates is not None else None
             start = self.engine.start(trained, config, rates,
-                                      resume_iteration=resume_step, initial_values=initial)
+                                      resume_iteration=resume_step, initial_values=initial,
+                                      batch_rows=self._rows_of_step)
             if start:
                 if not traced:
                     raise NotImplementedError(
@@ -366,6 +409,15 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             for variable in trained:
                 variable._ps_managed = True
         self._registered = trained
+
+
+def _rows_of(args) -> tf.Tensor:
+    """The rows of a step's batch: the first dimension of its first tensor."""
+    flat = tf.nest.flatten(args)
+    if not flat:
+        raise ValueError("A Keras train step under prophet_tf.Strategy needs a batch of data. "
+                         f"Received: args={args!r}")
+    return tf.shape(flat[0], out_type=tf.int64)[0]
 
 
 def _check_replication_mode(options) -> None:
@@ -436,26 +488,3 @@ def optimizer_config(optimizer, trained: list, scaled: bool = False) -> str:
       ValueError: an optimizer or option the PS cannot apply exactly.
     """
     return keras_optimizer.config_json(optimizer, trained, loss_scaling=scaled)
-
-
-def split_batches(dataset: tf.data.Dataset, num_workers: int, index: int) -> tf.data.Dataset:
-    """Gives worker `index` its share of each global batch.
-
-    Every worker reads the same batches (like TF's AutoShardPolicy.DATA) and
-    keeps rows [index*n//W, (index+1)*n//W) of each batch of n rows, so every
-    worker takes the same number of steps and the union of one step's shares
-    is exactly the global batch.
-    """
-    if num_workers == 1:
-        return dataset
-
-    def share(*batch):
-        def take(t):
-            n = tf.shape(t, out_type=tf.int64)[0]
-            begin = n * index // num_workers
-            end = n * (index + 1) // num_workers
-            return t[begin:end]
-        result = tf.nest.map_structure(take, batch)
-        return result if len(batch) > 1 else result[0]
-
-    return dataset.map(share, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

@@ -37,7 +37,7 @@ from prophet_tf import _keras_compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Exchange", "keras_step"]
+__all__ = ["Exchange", "is_train_step", "keras_step"]
 
 _STEP_NAMES = ("train_step", "test_step", "predict_step")
 
@@ -67,6 +67,25 @@ def keras_step(fn):
         return None
 
     return _keras_compat.search_closures(fn, step_of, follow=callable) or (None, None)
+
+
+def is_train_step(fn) -> bool:
+    """Whether ``fn`` (given to ``strategy.run``) is a Keras 3 or tf_keras model's train step:
+    one whose loss Keras divides by the number of workers (``num_replicas_in_sync``)."""
+    if keras_step(fn)[1] == "train_step":
+        return True
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is None:
+        return False
+
+    def tf_keras_train_step(f):
+        code = getattr(f, "__code__", None)
+        if code is not None and "train_step" in code.co_names and any(
+                isinstance(c, tf_keras.Model) for c in _keras_compat.closure_contents(f)):
+            return True
+        return None
+
+    return bool(_keras_compat.search_closures(fn, tf_keras_train_step, follow=callable))
 
 
 class Exchange:
@@ -180,6 +199,33 @@ class Exchange:
             results = model.get_metrics_result()
             outputs = {k: results.get(k, value) for k, value in outputs.items()}
         return outputs
+
+    def reduce(self, value, mean: bool):
+        """``value`` (a tensor or a nest of them) summed over the workers, or averaged."""
+        flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(value)]
+        summed = self.sum_over_workers(flat)
+        if mean:
+            summed = [s / tf.cast(self.num_workers, s.dtype) for s in summed]
+        return tf.nest.pack_sequence_as(value, summed)
+
+    def concat(self, value, axis: int):
+        """Every worker's ``value`` concatenated along ``axis``, in worker order."""
+        flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(value)]
+        for t in flat:
+            if t.shape.rank is not None and not -t.shape.rank <= axis < max(t.shape.rank, 1):
+                raise ValueError(f"gather along axis {axis} of a tensor of shape {t.shape}. "
+                                 f"Received: axis={axis}")
+
+        def run(*arrays):
+            buffer = io.BytesIO()
+            np.savez(buffer, *[a.numpy() for a in arrays])
+            parts = [np.load(io.BytesIO(p), allow_pickle=False)
+                     for p in self.gather(buffer.getvalue())]
+            return [np.concatenate([p[f"arr_{i}"] for p in parts], axis=axis)
+                    for i in range(len(arrays))]
+
+        joined = tf.py_function(run, flat, [t.dtype for t in flat])
+        return tf.nest.pack_sequence_as(value, joined)
 
     # -- predictions ------------------------------------------------------------------------
 

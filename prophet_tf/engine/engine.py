@@ -118,7 +118,8 @@ class Engine:
 
     def start(self, variables: Sequence, optimizer_config: str,
               learning_rate: Callable[[int], float] | None = None, resume_iteration: int = 0,
-              initial_values: Mapping[int, np.ndarray] | None = None) -> int:
+              initial_values: Mapping[int, np.ndarray] | None = None,
+              batch_rows: Callable[[int], int | None] | None = None) -> int:
         """Registers the trained variables with every PS, stages the first version, starts threads.
 
         Args:
@@ -138,6 +139,11 @@ class Engine:
           initial_values: worker 0 only: each variable's initial value by
             position in ``variables`` (version 0, the values every worker
             starts from); None on the other workers.
+
+          batch_rows: ``batch_rows(k)`` is the number of rows of this worker's
+            share of iteration k's batch when k is a Keras train step (the PS
+            weights each worker's gradient by its rows), else None; read and
+            sent like the learning rate.
 
         Returns:
           The iteration training starts from: 0, ``resume_iteration``, or the
@@ -194,6 +200,8 @@ class Engine:
         self._plan_version = None
         self._learning_rate = learning_rate
         self._learning_rates: dict[int, float] = {}  # iteration -> its learning rate
+        self._batch_rows_of = batch_rows
+        self._batch_rows: dict[int, int | None] = {}  # iteration -> this worker's rows
         # The first version comes from the PS, so every worker starts from
         # the same values (worker 0's, or a checkpoint's).
         for ps_index in range(len(self._clients)):
@@ -269,6 +277,10 @@ class Engine:
                         self._learning_rates[grad.iteration] = float(
                             self._learning_rate(grad.iteration))
                         self._learning_rates.pop(grad.iteration - 8, None)
+                if self._batch_rows_of is not None:
+                    with self._lock:
+                        self._batch_rows[grad.iteration] = self._batch_rows_of(grad.iteration)
+                        self._batch_rows.pop(grad.iteration - 8, None)
                 for q in self._pull_queues:
                     q.put(grad.iteration + 1)
                 self._record_plan()
@@ -294,7 +306,8 @@ class Engine:
             except queue.Empty:
                 continue
             with self._lock:
-                chunks = [Chunk(item.key, item.partition, item.iteration, self._rows(item))
+                chunks = [Chunk(item.key, item.partition, item.iteration, self._rows(item),
+                                batch_rows=self._batch_rows.get(item.iteration))
                           for item in block]
                 iterations = {item.iteration for item in block}
                 learning_rate = self._learning_rates.get(block[0].iteration) \

@@ -173,16 +173,18 @@ def test_unsupported_optimizer_options_are_named():
 
 # -- what Keras iterates -----------------------------------------------------------------------
 
-def test_distributed_datasets_are_plain_tf_data_with_this_workers_share():
-    """No MultiDeviceIterator: its prefetch thread crashed workers (README "How it works")."""
+def test_distributed_datasets_iterate_as_plain_tf_data_with_this_workers_share():
+    """Marked distributed, so Keras does not split them again; iterated by a plain tf.data
+    iterator (no MultiDeviceIterator: its prefetch thread crashed workers)."""
     strategy = Strategy(worker_config(index=1))  # Connects to nothing until training starts.
     base = tf.data.Dataset.range(8).batch(4)
     distributed = strategy.experimental_distribute_dataset(base)
-    assert isinstance(distributed, tf.data.Dataset)
+    assert isinstance(distributed, tf.distribute.DistributedDataset)
     iterator = iter(distributed)
     assert isinstance(iterator, tf.data.Iterator)
     assert type(iterator).__name__ == "OwnedIterator", type(iterator)
     assert [e.tolist() for e in steps_of(distributed)] == [[2, 3], [6, 7]]
+    assert int(distributed.cardinality()) == 2
 
     contexts = []
 
@@ -191,11 +193,118 @@ def test_distributed_datasets_are_plain_tf_data_with_this_workers_share():
         return tf.data.Dataset.range(3)
 
     from_function = strategy.distribute_datasets_from_function(dataset_fn)
-    assert isinstance(from_function, tf.data.Dataset)
+    assert isinstance(from_function, tf.distribute.DistributedDataset)
     assert steps_of(from_function) == [0, 1, 2]
     (context,) = contexts
     assert (context.num_input_pipelines, context.input_pipeline_id,
             context.num_replicas_in_sync) == (2, 1, 2)
+    assert context.get_per_replica_batch_size(8) == 4
+
+
+def test_keras_takes_a_distributed_dataset_as_it_is():
+    """Keras 3's epoch iterator distributes only what is not yet distributed: a dataset
+    distributed by the strategy is iterated once, not split a second time."""
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    strategy = Strategy(worker_config(index=1))
+    distributed = strategy.experimental_distribute_dataset(tf.data.Dataset.range(16).batch(8))
+    epoch = TFEpochIterator(x=distributed, distribute_strategy=strategy, shuffle=False)
+    assert epoch.num_batches == 2
+    (_, *iterators), = list(epoch.enumerate_epoch())[:1]
+    iterator = iterators[-1]
+    assert [next(iterator).numpy().tolist() for _ in range(2)] == [[4, 5, 6, 7],
+                                                                   [12, 13, 14, 15]]
+
+
+def test_a_distributed_dataset_iterates_inside_a_tf_function():
+    strategy = Strategy(worker_config(index=1))
+    distributed = strategy.experimental_distribute_dataset(tf.data.Dataset.range(16).batch(8))
+
+    @tf.function
+    def total(dataset):
+        result = tf.constant(0, tf.int64)
+        for batch in dataset:
+            result += tf.reduce_sum(batch)
+        return result
+
+    @tf.function
+    def total_of_captured():
+        result = tf.constant(0, tf.int64)
+        for batch in distributed:
+            result += tf.reduce_sum(batch)
+        return result
+
+    assert int(total(distributed)) == int(total_of_captured()) == 4 + 5 + 6 + 7 + 12 + 13 + 14 + 15
+
+
+def test_a_distributed_dataset_is_not_distributed_twice():
+    strategy = Strategy(worker_config(index=1))
+    distributed = strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4))
+    with pytest.raises(ValueError, match="already distributed"):
+        strategy.experimental_distribute_dataset(distributed)
+    with pytest.raises(ValueError, match="Received: list"):
+        strategy.experimental_distribute_dataset([1, 2])
+
+
+def _with_policy(dataset, policy):
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = policy
+    return dataset.with_options(options)
+
+
+def _write_shards(directory, files, rows_per_file):
+    paths = []
+    for k in range(files):
+        path = str(directory / f"shard-{k}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for r in range(rows_per_file):
+                writer.write(str(k * rows_per_file + r).encode())
+        paths.append(path)
+    return paths
+
+
+def _records(paths, batch):
+    return (tf.data.Dataset.from_tensor_slices(paths)
+            .interleave(tf.data.TFRecordDataset, cycle_length=1)
+            .map(lambda s: tf.strings.to_number(s, tf.int64)).batch(batch))
+
+
+@pytest.mark.parametrize("policy", [tf.data.experimental.AutoShardPolicy.AUTO,
+                                    tf.data.experimental.AutoShardPolicy.FILE])
+def test_file_sharding_reads_each_row_once_over_the_workers(tmp_path, policy):
+    paths = _write_shards(tmp_path, files=4, rows_per_file=6)
+    dataset = _with_policy(_records(paths, batch=4), policy)
+    rows = []
+    for index in range(2):
+        strategy = Strategy(worker_config(index=index))
+        steps = steps_of(strategy.experimental_distribute_dataset(dataset))
+        assert all(len(s) <= 2 for s in steps), steps  # Each batch in W pieces.
+        rows += [r for s in steps for r in s.tolist()]
+    assert sorted(rows) == list(range(24))
+
+
+def test_file_sharding_with_fewer_files_than_workers_is_refused(tmp_path):
+    paths = _write_shards(tmp_path, files=1, rows_per_file=4)
+    strategy = Strategy(worker_config(index=1))
+    with pytest.raises(ValueError, match="fewer files than there are workers.*"
+                                         "Received: auto_shard_policy=AUTO"):
+        strategy.experimental_distribute_dataset(_records(paths, batch=2))
+
+
+def test_data_sharding_of_files_splits_each_global_batch(tmp_path):
+    paths = _write_shards(tmp_path, files=1, rows_per_file=8)
+    dataset = _with_policy(_records(paths, batch=4), tf.data.experimental.AutoShardPolicy.DATA)
+    strategy = Strategy(worker_config(index=1))
+    assert [s.tolist() for s in steps_of(strategy.experimental_distribute_dataset(dataset))] \
+        == [[2, 3], [6, 7]]
+
+
+def test_no_sharding_gives_every_worker_every_row_in_pieces():
+    dataset = _with_policy(tf.data.Dataset.range(8).batch(4),
+                           tf.data.experimental.AutoShardPolicy.OFF)
+    strategy = Strategy(worker_config(index=0))
+    assert [s.tolist() for s in steps_of(strategy.experimental_distribute_dataset(dataset))] \
+        == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_distribute_datasets_from_function_names_a_wrong_return_and_replication_mode():

@@ -1,0 +1,143 @@
+"""Worker for test_distributed_input: the tf.distribute input and custom-loop idioms in order.
+
+    python input_worker.py --out DIR          # under `prophet-tf launch`: prophet_tf.Strategy
+    python input_worker.py --single --out DIR # the same program on the default strategy
+
+One model and one Adam optimizer go through, in this order:
+  1. fit on strategy.experimental_distribute_dataset(batches of GLOBAL_BATCH) over
+     ROWS rows (a last partial batch; with 3 workers, shares of 2, 3, 3 and 1, 1, 2);
+  2. fit on strategy.distribute_datasets_from_function (each worker shards the rows
+     and batches FROM_FUNCTION_BATCH / W of them);
+  3. a custom training loop in the shape of TensorFlow's tutorial: strategy.run of a
+     step that calls optimizer.apply_gradients on tf.nn.compute_average_loss(...,
+     global_batch_size=GLOBAL_BATCH), strategy.reduce(SUM) of the loss and
+     strategy.gather of the labels.
+Single-process Keras on the global batches runs the same code on the default
+strategy, so its weights, losses and gathered labels are the reference. Writes
+DIR/worker<i>.npz (or single.npz): final weights ``t<j>``, the loop's reduced losses
+and the first step's gathered labels, and the fits' histories.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+IN_DIM, NUM_CLASSES, SEED = 5, 3, 11
+GLOBAL_BATCH = 8
+ROWS = 3 * GLOBAL_BATCH + 4  # a last batch of 4 rows
+FROM_FUNCTION_BATCH = 6  # per step over all workers: W must divide it
+
+
+def make_data():
+    rng = np.random.default_rng(2024)
+    x = rng.normal(size=(ROWS, IN_DIM)).astype("float32")
+    y = rng.integers(0, NUM_CLASSES, size=ROWS).astype("int64")
+    return x, y
+
+
+def build_model(keras):
+    keras.utils.set_random_seed(SEED)
+    return keras.Sequential([keras.Input((IN_DIM,)),
+                             keras.layers.Dense(16, activation="tanh", name="hidden"),
+                             keras.layers.Dense(NUM_CLASSES, name="logits")])
+
+
+def run(strategy, distributed: bool) -> dict:
+    import keras
+
+    x, y = make_data()
+    with strategy.scope():
+        model = build_model(keras)
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    global_batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+    # 1. A dataset of global batches, distributed by the strategy.
+    first = model.fit(strategy.experimental_distribute_dataset(global_batches),
+                      epochs=1, verbose=0)
+
+    # 2. Per-worker batches from a function of the input context.
+    rows = ROWS - ROWS % FROM_FUNCTION_BATCH
+
+    def dataset_fn(context):
+        per_worker = context.get_per_replica_batch_size(FROM_FUNCTION_BATCH)
+        return (tf.data.Dataset.from_tensor_slices((x[:rows], y[:rows]))
+                .shard(context.num_input_pipelines, context.input_pipeline_id)
+                .batch(per_worker))
+
+    if distributed:
+        second_data = strategy.distribute_datasets_from_function(dataset_fn)
+    else:  # The same rows per step: the union of the workers' batches.
+        second_data = tf.data.Dataset.from_tensor_slices(
+            (x[:rows], y[:rows])).batch(FROM_FUNCTION_BATCH)
+    second = model.fit(second_data, epochs=1, verbose=0)
+
+    # 3. A custom training loop, as in TensorFlow's multi-worker tutorial.
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                             reduction="none")
+    optimizer = model.optimizer
+
+    @tf.function
+    def train_step(inputs):
+        def step_fn(inputs):
+            features, labels = inputs
+            with tf.GradientTape() as tape:
+                logits = model(features, training=True)
+                loss = tf.nn.compute_average_loss(loss_object(labels, logits),
+                                                  global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss, labels
+
+        loss, labels = strategy.run(step_fn, args=(inputs,))
+        return (strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
+                strategy.gather(labels, axis=0))
+
+    losses, gathered = [], []
+    for inputs in strategy.experimental_distribute_dataset(global_batches):
+        loss, labels = train_step(inputs)
+        losses.append(float(loss))
+        gathered.append(labels.numpy())
+    arrays = {f"t{j}": v.numpy() for j, v in enumerate(model.trainable_variables)}
+    arrays["losses"] = np.asarray(losses)
+    arrays["gathered_first"] = gathered[0]
+    arrays["gathered_last"] = gathered[-1]
+    info = {"history": [first.history, second.history],
+            "iterations": int(optimizer.iterations.numpy())}
+    return {"arrays": arrays, "info": info}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--single", action="store_true")
+    parser.add_argument("--watchdog", type=float, default=150.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)  # A hang fails, with stacks.
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    os.makedirs(args.out, exist_ok=True)
+    if args.single:
+        result, name = run(tf.distribute.get_strategy(), distributed=False), "single"
+    else:
+        import prophet_tf
+        strategy = prophet_tf.Strategy(rpc_timeout_s=60.0)
+        result, name = run(strategy, distributed=True), f"worker{strategy.worker_index}"
+        strategy.shutdown()
+    np.savez(os.path.join(args.out, f"{name}.npz"), **result["arrays"])
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(result["info"], f, default=float)
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@ One model and one Adam optimizer go through, in this order:
   1. fit on strategy.experimental_distribute_dataset(batches of GLOBAL_BATCH) over
      ROWS rows (a last partial batch; with 3 workers, shares of 2, 3, 3 and 1, 1, 2);
   2. fit on strategy.distribute_datasets_from_function (each worker shards the rows
-     and batches FROM_FUNCTION_BATCH / W of them);
+     and batches PER_WORKER_BATCH of them: W * PER_WORKER_BATCH per step);
   3. a custom training loop in the shape of TensorFlow's tutorial: strategy.run of a
      step that calls optimizer.apply_gradients on tf.nn.compute_average_loss(...,
      global_batch_size=GLOBAL_BATCH), strategy.reduce(SUM) of the loss and
@@ -33,7 +33,7 @@ import tensorflow as tf  # noqa: E402
 IN_DIM, NUM_CLASSES, SEED = 5, 3, 11
 GLOBAL_BATCH = 8
 ROWS = 3 * GLOBAL_BATCH + 4  # a last batch of 4 rows
-FROM_FUNCTION_BATCH = 6  # per step over all workers: W must divide it
+PER_WORKER_BATCH = 2  # distribute_datasets_from_function: 2 rows per worker and step
 
 
 def make_data():
@@ -50,7 +50,7 @@ def build_model(keras):
                              keras.layers.Dense(NUM_CLASSES, name="logits")])
 
 
-def run(strategy, distributed: bool) -> dict:
+def run(strategy, distributed: bool, workers: int) -> dict:
     import keras
 
     x, y = make_data()
@@ -66,10 +66,11 @@ def run(strategy, distributed: bool) -> dict:
                       epochs=1, verbose=0)
 
     # 2. Per-worker batches from a function of the input context.
-    rows = ROWS - ROWS % FROM_FUNCTION_BATCH
+    step_rows = PER_WORKER_BATCH * workers
+    rows = ROWS - ROWS % step_rows
 
     def dataset_fn(context):
-        per_worker = context.get_per_replica_batch_size(FROM_FUNCTION_BATCH)
+        per_worker = context.get_per_replica_batch_size(step_rows)
         return (tf.data.Dataset.from_tensor_slices((x[:rows], y[:rows]))
                 .shard(context.num_input_pipelines, context.input_pipeline_id)
                 .batch(per_worker))
@@ -78,7 +79,7 @@ def run(strategy, distributed: bool) -> dict:
         second_data = strategy.distribute_datasets_from_function(dataset_fn)
     else:  # The same rows per step: the union of the workers' batches.
         second_data = tf.data.Dataset.from_tensor_slices(
-            (x[:rows], y[:rows])).batch(FROM_FUNCTION_BATCH)
+            (x[:rows], y[:rows])).batch(step_rows)
     second = model.fit(second_data, epochs=1, verbose=0)
 
     # 3. A custom training loop, as in TensorFlow's multi-worker tutorial.
@@ -119,6 +120,8 @@ def run(strategy, distributed: bool) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--single", action="store_true")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="with --single: the cluster's W (rows per step of the second fit)")
     parser.add_argument("--watchdog", type=float, default=150.0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -126,11 +129,13 @@ def main(argv=None) -> int:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     os.makedirs(args.out, exist_ok=True)
     if args.single:
-        result, name = run(tf.distribute.get_strategy(), distributed=False), "single"
+        result, name = run(tf.distribute.get_strategy(), distributed=False,
+                           workers=args.workers), "single"
     else:
         import prophet_tf
         strategy = prophet_tf.Strategy(rpc_timeout_s=60.0)
-        result, name = run(strategy, distributed=True), f"worker{strategy.worker_index}"
+        result, name = run(strategy, distributed=True, workers=strategy.num_replicas_in_sync), \
+            f"worker{strategy.worker_index}"
         strategy.shutdown()
     np.savez(os.path.join(args.out, f"{name}.npz"), **result["arrays"])
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:

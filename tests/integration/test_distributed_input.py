@@ -58,11 +58,19 @@ def launch(tmp_path, workers: int, scheduler: str = "fifo") -> Result:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("single")
-    code = _run([sys.executable, str(INPUT_WORKER), "--single", "--out", str(tmp)],
-                tmp / "single.log", _env())
-    assert code == 0, (tmp / "single.log").read_text(errors="replace")[-6000:]
-    return Result(tmp, ["single"])
+    """The same program on the default strategy, for a cluster of W workers."""
+    runs = {}
+
+    def get(workers: int) -> Result:
+        if workers not in runs:
+            tmp = tmp_path_factory.mktemp(f"single-w{workers}")
+            code = _run([sys.executable, str(INPUT_WORKER), "--single", "--workers",
+                         str(workers), "--out", str(tmp)], tmp / "single.log", _env())
+            assert code == 0, (tmp / "single.log").read_text(errors="replace")[-6000:]
+            runs[workers] = Result(tmp, ["single"])
+        return runs[workers]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +105,7 @@ def assert_matches_single_process(run: Result, single: Result) -> None:
 def test_three_uneven_workers_train_every_idiom_as_single_process(clusters, single):
     """Shares of 2, 3, 3 rows (and 1, 1, 2 of the last batch): no row is split twice or
     dropped, each worker's gradient weighs its rows, every reduced loss is the cluster's."""
-    assert_matches_single_process(clusters(3), single)
+    assert_matches_single_process(clusters(3), single(3))
 
 
 @pytest.mark.timeout(2 * CLUSTER_TIMEOUT)
@@ -123,4 +131,4 @@ def test_sums_do_not_depend_on_the_scheduler_long(clusters, scheduler):
 @pytest.mark.timeout(2 * CLUSTER_TIMEOUT)
 def test_five_workers_with_a_last_partial_batch_train_as_single_process(clusters, single):
     """5 workers: shares of 1 or 2 rows of 8, and of 0 or 1 of the last batch of 4."""
-    assert_matches_single_process(clusters(5), single)
+    assert_matches_single_process(clusters(5), single(5))

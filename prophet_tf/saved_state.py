@@ -6,7 +6,8 @@ copy and counts the iterations. So that `model.save`, `save_weights`,
 `ModelCheckpoint` and `BackupAndRestore` write the real state:
 
 - once training through the PS has started, the optimizer's
-  ``save_own_variables`` (which every Keras 3 save goes through) first reads
+  ``save_own_variables`` (which every Keras 3 save goes through) and its
+  ``_trackable_children`` (which `tf.train.Checkpoint` goes through) first read
   the state of the worker's current step from every PS task
   (`ReadOptimizerState`, which waits until the PS has applied that step) and
   sets the worker's slots to it;
@@ -82,6 +83,16 @@ class SavedState:
             original(store)
 
         optimizer.save_own_variables = save_own_variables
+        # tf.train.Checkpoint (custom training loops) lists the optimizer's
+        # variables through _trackable_children before it reads them.
+        children = optimizer._trackable_children
+
+        def _trackable_children(save_type="checkpoint", **kwargs):
+            if save_type == "checkpoint":
+                self.read(optimizer, keys)
+            return children(save_type, **kwargs)
+
+        optimizer._trackable_children = _trackable_children
 
     def write(self, optimizer, keys: list, step: int) -> None:
         from prophet_tf.ps import optimizer_state

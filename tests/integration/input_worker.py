@@ -12,10 +12,14 @@ One model and one Adam optimizer go through, in this order:
      step that calls optimizer.apply_gradients on tf.nn.compute_average_loss(...,
      global_batch_size=GLOBAL_BATCH), strategy.reduce(SUM) of the loss and
      strategy.gather of the labels.
+  4. evaluate and predict over distributed datasets, and a tf.train.Checkpoint of the
+     model and the optimizer (DIR/<name>-checkpoint).
+With --resume-from CHECKPOINT: a new model restored from it, then one loop epoch.
 Single-process Keras on the global batches runs the same code on the default
-strategy, so its weights, losses and gathered labels are the reference. Writes
-DIR/worker<i>.npz (or single.npz): final weights ``t<j>``, the loop's reduced losses
-and the first step's gathered labels, and the fits' histories.
+strategy (and then resumes from its own checkpoint), so its results are the
+reference. Writes DIR/<name>.npz and .json (name: worker<i>, single, or with
+-resumed): final weights ``t<j>``, the loop's reduced losses, the gathered labels
+of the first and last steps, predictions, the fits' histories and evaluate.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def build_model(keras):
                              keras.layers.Dense(NUM_CLASSES, name="logits")])
 
 
-def run(strategy, distributed: bool, workers: int) -> dict:
+def run(strategy, distributed: bool, workers: int, checkpoint: str) -> dict:
     import keras
 
     x, y = make_data()
@@ -83,6 +87,24 @@ def run(strategy, distributed: bool, workers: int) -> dict:
     second = model.fit(second_data, epochs=1, verbose=0)
 
     # 3. A custom training loop, as in TensorFlow's multi-worker tutorial.
+    loop = custom_loop(strategy, model, keras, global_batches)
+    # Evaluate and predict over distributed datasets answer for the whole data.
+    evaluation = model.evaluate(strategy.experimental_distribute_dataset(global_batches),
+                                verbose=0, return_dict=True)
+    prediction = model.predict(strategy.experimental_distribute_dataset(global_batches),
+                               verbose=0)
+    # A tf.train.Checkpoint of the model and the optimizer (the PS's state).
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(checkpoint)
+    arrays = {f"t{j}": v.numpy() for j, v in enumerate(model.trainable_variables)}
+    arrays.update(loop)
+    arrays["predict"] = np.asarray(prediction)
+    info = {"history": [first.history, second.history], "evaluate": evaluation,
+            "iterations": int(model.optimizer.iterations.numpy())}
+    return {"arrays": arrays, "info": info}
+
+
+def custom_loop(strategy, model, keras, global_batches) -> dict:
+    """One epoch of TensorFlow's tutorial loop; the reduced losses and gathered labels."""
     loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                              reduction="none")
     optimizer = model.optimizer
@@ -108,13 +130,26 @@ def run(strategy, distributed: bool, workers: int) -> dict:
         loss, labels = train_step(inputs)
         losses.append(float(loss))
         gathered.append(labels.numpy())
+    return {"losses": np.asarray(losses), "gathered_first": gathered[0],
+            "gathered_last": gathered[-1]}
+
+
+def resume(strategy, checkpoint: str) -> dict:
+    """A new model and optimizer restored from ``checkpoint``, then one more loop epoch."""
+    import keras
+
+    x, y = make_data()
+    with strategy.scope():
+        model = build_model(keras)
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # Adam's slots are made at the first step, and restored then.
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(checkpoint).expect_partial()
+    global_batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    loop = custom_loop(strategy, model, keras, global_batches)
     arrays = {f"t{j}": v.numpy() for j, v in enumerate(model.trainable_variables)}
-    arrays["losses"] = np.asarray(losses)
-    arrays["gathered_first"] = gathered[0]
-    arrays["gathered_last"] = gathered[-1]
-    info = {"history": [first.history, second.history],
-            "iterations": int(optimizer.iterations.numpy())}
-    return {"arrays": arrays, "info": info}
+    arrays.update(loop)
+    return {"arrays": arrays, "info": {"iterations": int(model.optimizer.iterations.numpy())}}
 
 
 def main(argv=None) -> int:
@@ -122,6 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--single", action="store_true")
     parser.add_argument("--workers", type=int, default=1,
                         help="with --single: the cluster's W (rows per step of the second fit)")
+    parser.add_argument("--resume-from", help="restore this checkpoint, then one loop epoch")
     parser.add_argument("--watchdog", type=float, default=150.0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -129,17 +165,26 @@ def main(argv=None) -> int:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     os.makedirs(args.out, exist_ok=True)
     if args.single:
-        result, name = run(tf.distribute.get_strategy(), distributed=False,
-                           workers=args.workers), "single"
+        strategy, name = tf.distribute.get_strategy(), "single"
+        workers = args.workers
     else:
         import prophet_tf
         strategy = prophet_tf.Strategy(rpc_timeout_s=60.0)
-        result, name = run(strategy, distributed=True, workers=strategy.num_replicas_in_sync), \
-            f"worker{strategy.worker_index}"
+        name, workers = f"worker{strategy.worker_index}", strategy.num_replicas_in_sync
+    if args.resume_from:
+        results = {f"{name}-resumed": resume(strategy, args.resume_from)}
+    else:
+        checkpoint = os.path.join(args.out, f"{name}-checkpoint")
+        results = {name: run(strategy, distributed=not args.single, workers=workers,
+                             checkpoint=checkpoint)}
+        if args.single:  # The reference of a resumed cluster: the same, on this strategy.
+            results["single-resumed"] = resume(strategy, checkpoint)
+    if not args.single:
         strategy.shutdown()
-    np.savez(os.path.join(args.out, f"{name}.npz"), **result["arrays"])
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(result["info"], f, default=float)
+    for tag, result in results.items():
+        np.savez(os.path.join(args.out, f"{tag}.npz"), **result["arrays"])
+        with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
+            json.dump(result["info"], f, default=float)
     faulthandler.cancel_dump_traceback_later()
     return 0
 

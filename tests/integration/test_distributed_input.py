@@ -3,9 +3,10 @@
 Each cluster runs tests/integration/input_worker.py on every worker (3 workers, 2 PS
 tasks: shares of 2, 3 and 3 rows of a global batch of 8, then 1, 1 and 2 of the
 last batch): fit on experimental_distribute_dataset, fit on
-distribute_datasets_from_function, then a custom loop with strategy.run,
-apply_gradients, strategy.reduce and strategy.gather. The same program on the
-default strategy in one process is the reference.
+distribute_datasets_from_function, a custom loop with strategy.run,
+apply_gradients, strategy.reduce and strategy.gather, evaluate and predict on a
+distributed dataset, and a tf.train.Checkpoint, which a second cluster resumes
+from. The same program on the default strategy in one process is the reference.
 """
 from __future__ import annotations
 
@@ -42,18 +43,22 @@ def _env():
 
 class Result:
     def __init__(self, out_dir, names):
+        self.out_dir = out_dir
         self.arrays = {n: dict(np.load(out_dir / f"{n}.npz")) for n in names}
         self.info = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names}
 
 
-def launch(tmp_path, workers: int, scheduler: str = "fifo") -> Result:
-    out = tmp_path / f"{scheduler}-w{workers}"
+def launch(tmp_path, workers: int, scheduler: str = "fifo", resume_from=None) -> Result:
+    out = tmp_path / f"{scheduler}-w{workers}{'-resumed' if resume_from else ''}"
+    extra = ["--resume-from", str(resume_from)] if resume_from else []
     code = _run([sys.executable, "-m", "prophet_tf", "launch", "--workers", str(workers),
                  "--ps", "2", "--scheduler", scheduler, "--", sys.executable,
-                 str(INPUT_WORKER), "--out", str(out)], tmp_path / f"{out.name}.log", _env())
+                 str(INPUT_WORKER), "--out", str(out), *extra],
+                tmp_path / f"{out.name}.log", _env())
     log = (tmp_path / f"{out.name}.log").read_text(errors="replace")
     assert code == 0, f"cluster exited with {code}:\n{log[-6000:]}"
-    return Result(out, [f"worker{i}" for i in range(workers)])
+    suffix = "-resumed" if resume_from else ""
+    return Result(out, [f"worker{i}{suffix}" for i in range(workers)])
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +72,7 @@ def single(tmp_path_factory):
             code = _run([sys.executable, str(INPUT_WORKER), "--single", "--workers",
                          str(workers), "--out", str(tmp)], tmp / "single.log", _env())
             assert code == 0, (tmp / "single.log").read_text(errors="replace")[-6000:]
-            runs[workers] = Result(tmp, ["single"])
+            runs[workers] = Result(tmp, ["single", "single-resumed"])
         return runs[workers]
 
     return get
@@ -77,16 +82,17 @@ def single(tmp_path_factory):
 def clusters(tmp_path_factory):
     tmp, runs = tmp_path_factory.mktemp("clusters"), {}
 
-    def get(workers: int, scheduler: str = "fifo") -> Result:
-        if (workers, scheduler) not in runs:
-            runs[workers, scheduler] = launch(tmp, workers, scheduler)
-        return runs[workers, scheduler]
+    def get(workers: int, scheduler: str = "fifo", resume_from=None) -> Result:
+        key = (workers, scheduler, resume_from)
+        if key not in runs:
+            runs[key] = launch(tmp, workers, scheduler, resume_from)
+        return runs[key]
 
     return get
 
 
-def assert_matches_single_process(run: Result, single: Result) -> None:
-    expected = single.arrays["single"]
+def assert_matches_single_process(run: Result, single: Result, tag="single") -> None:
+    expected, expected_info = single.arrays[tag], single.info[tag]
     for name, arrays in run.arrays.items():
         for key in sorted(k for k in expected if k.startswith("t")):
             assert_close(arrays[key], expected[key], f"{name}: trainable variable {key}")
@@ -94,11 +100,16 @@ def assert_matches_single_process(run: Result, single: Result) -> None:
         assert_close(arrays["losses"], expected["losses"], f"{name}: reduced losses")
         for key in ("gathered_first", "gathered_last"):
             np.testing.assert_array_equal(arrays[key], expected[key], err_msg=f"{name} {key}")
-        fits, reference = run.info[name]["history"], single.info["single"]["history"]
-        for fit, ref in zip(fits, reference):
+        assert run.info[name]["iterations"] == expected_info["iterations"]
+        if tag != "single":
+            continue  # A resumed run is one loop epoch.
+        # predict over a distributed dataset: the whole data, in order, on every worker.
+        assert_close(arrays["predict"], expected["predict"], f"{name}: predict")
+        for fit, ref in zip(run.info[name]["history"], expected_info["history"]):
             for metric in ref:
                 assert_close(fit[metric], ref[metric], f"{name}: fit {metric}")
-        assert run.info[name]["iterations"] == single.info["single"]["iterations"]
+        for metric, value in expected_info["evaluate"].items():
+            assert_close(run.info[name]["evaluate"][metric], value, f"{name}: evaluate {metric}")
 
 
 @pytest.mark.timeout(2 * CLUSTER_TIMEOUT)
@@ -106,6 +117,31 @@ def test_three_uneven_workers_train_every_idiom_as_single_process(clusters, sing
     """Shares of 2, 3, 3 rows (and 1, 1, 2 of the last batch): no row is split twice or
     dropped, each worker's gradient weighs its rows, every reduced loss is the cluster's."""
     assert_matches_single_process(clusters(3), single(3))
+
+
+def test_a_checkpoint_of_a_custom_loop_holds_the_ps_optimizer_state(clusters, single):
+    """tf.train.Checkpoint(model=, optimizer=) saves what the PS trained (Adam's moments,
+    not the worker's untrained copy): every saved value as single-process saves it."""
+    import tensorflow as tf
+
+    expected = tf.train.load_checkpoint(str(single(3).out_dir / "single-checkpoint"))
+    saved = tf.train.load_checkpoint(str(clusters(3).out_dir / "worker0-checkpoint"))
+    names = sorted(expected.get_variable_to_shape_map())
+    assert sorted(saved.get_variable_to_shape_map()) == names
+    slots = [n for n in names if n.startswith("optimizer/_variables/")]
+    assert len(slots) >= 8, names  # Adam: two moments per variable
+    for name in names:
+        if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH"):
+            assert_close(saved.get_tensor(name), expected.get_tensor(name), name)
+
+
+@pytest.mark.timeout(2 * CLUSTER_TIMEOUT)
+def test_a_custom_loop_resumes_from_its_checkpoint_on_a_new_cluster(clusters, single):
+    """The checkpoint restored into a new job's model and optimizer: the next epoch
+    trains as single-process training resumed from its own checkpoint."""
+    first = clusters(3)
+    resumed = clusters(3, resume_from=first.out_dir / "worker0-checkpoint")
+    assert_matches_single_process(resumed, single(3), tag="single-resumed")
 
 
 @pytest.mark.timeout(2 * CLUSTER_TIMEOUT)

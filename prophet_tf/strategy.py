@@ -184,6 +184,9 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                 variable = next_creator(**kwargs)
         else:
             variable = super()._create_variable(next_creator, **kwargs)
+        if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
+                and kwargs.get("aggregation") == tf.VariableAggregation.SUM):
+            self.exchange.track_summed_variable(variable)  # A metric's total or count.
         if (_is_plain_resource_variable(variable) and variable.trainable
                 and variable.dtype in _FLOAT_DTYPES):
             variable = PSVariable.adopt(variable, key=len(self._ps_variables), step_variable=self._step)
@@ -250,12 +253,15 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         self._share_rows = _rows_of(args) if whole_data.is_train_step(fn) else None
         if kind == "train_step" and loss_scaling.is_loss_scale_optimizer(model.optimizer):
             self._install_loss_scaling(model.optimizer)
-        if model is None or self.cluster.num_workers == 1:
-            return super()._call_for_each_replica(fn, args, kwargs)
+        run = lambda: super(PSExtended, self)._call_for_each_replica(fn, args, kwargs)  # noqa: E731
+        if self.cluster.num_workers == 1:
+            return run()
+        if model is None:
+            # A custom loop's step: the metrics it updates sum over the workers.
+            return run() if whole_data.is_keras_step(fn) else self.exchange.custom_step(run)
         if kind == "predict_step":
-            return self.exchange.gather_rows(super()._call_for_each_replica(fn, args, kwargs))
-        return self.exchange.metrics_step(
-            model, lambda: super(PSExtended, self)._call_for_each_replica(fn, args, kwargs))
+            return self.exchange.gather_rows(run())
+        return self.exchange.metrics_step(model, run)
 
     def _install_loss_scaling(self, optimizer) -> None:
         """A LossScaleOptimizer decides each step with all workers (loss_scaling.py)."""

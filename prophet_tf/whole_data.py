@@ -37,7 +37,7 @@ from prophet_tf import _keras_compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Exchange", "is_train_step", "keras_step"]
+__all__ = ["Exchange", "is_keras_step", "is_train_step", "keras_step"]
 
 _STEP_NAMES = ("train_step", "test_step", "predict_step")
 
@@ -69,23 +69,32 @@ def keras_step(fn):
     return _keras_compat.search_closures(fn, step_of, follow=callable) or (None, None)
 
 
-def is_train_step(fn) -> bool:
-    """Whether ``fn`` (given to ``strategy.run``) is a Keras 3 or tf_keras model's train step:
-    one whose loss Keras divides by the number of workers (``num_replicas_in_sync``)."""
-    if keras_step(fn)[1] == "train_step":
+def is_keras_step(fn) -> bool:
+    """Whether ``fn`` is a Keras 3 or tf_keras model's train, test or predict step."""
+    if keras_step(fn)[0] is not None:
         return True
+    return _tf_keras_step(fn, _STEP_NAMES)
+
+
+def _tf_keras_step(fn, names) -> bool:
     tf_keras = sys.modules.get("tf_keras")
     if tf_keras is None:
         return False
 
-    def tf_keras_train_step(f):
+    def match(f):
         code = getattr(f, "__code__", None)
-        if code is not None and "train_step" in code.co_names and any(
+        if code is not None and any(n in code.co_names for n in names) and any(
                 isinstance(c, tf_keras.Model) for c in _keras_compat.closure_contents(f)):
             return True
         return None
 
-    return bool(_keras_compat.search_closures(fn, tf_keras_train_step, follow=callable))
+    return bool(_keras_compat.search_closures(fn, match, follow=callable))
+
+
+def is_train_step(fn) -> bool:
+    """Whether ``fn`` (given to ``strategy.run``) is a Keras 3 or tf_keras model's train step:
+    one whose loss Keras divides by the number of workers (``num_replicas_in_sync``)."""
+    return keras_step(fn)[1] == "train_step" or _tf_keras_step(fn, ("train_step",))
 
 
 class Exchange:
@@ -106,6 +115,7 @@ class Exchange:
         self._lock = threading.Lock()
         # id(metric variable) -> (variable, this worker's accumulation, the sum last written).
         self._shadows: dict[int, tuple] = {}
+        self._summed: list = []  # track_summed_variable
 
     # -- the RPC --------------------------------------------------------------------------
 
@@ -177,6 +187,52 @@ class Exchange:
             entry = self._shadows[id(variable)] = (variable, local, last)
         return entry
 
+    def track_summed_variable(self, variable) -> None:
+        """A SUM-aggregated on-read variable made in the strategy's scope (a Keras metric's
+        total or count): custom loop steps that update it make it the cluster's sum."""
+        self._summed.append(variable)
+
+    def custom_step(self, run):
+        """Runs a custom loop's replica function (``run()``); the tracked variables it
+        updates then hold the sums over all workers, as MultiWorkerMirroredStrategy's
+        on-read variables read: a metric's ``result()`` is the whole cluster's.
+
+        In a tf.function, the variables it updates are read off the ops it made (the
+        same program on every worker, so every worker makes the same gather round);
+        eagerly, every tracked variable is summed.
+        """
+        variables = list(self._summed)
+        if not variables:
+            return run()
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        for variable, value in zip(variables, before):
+            _, local, last = self._shadow(variable)
+            variable.assign(tf.where(tf.equal(value, last), local, value))
+        start = None if graph is None else len(graph.get_operations())
+        outputs = run()
+        if graph is None:
+            updated = variables
+        else:
+            made = graph.get_operations()[start:]
+            updated = [v for v in variables if _updated_by(v, made, graph)]
+        for variable, value in zip(variables, before):
+            if all(variable is not u for u in updated):
+                variable.assign(value)  # Untouched: as it was.
+        if updated:
+            self._write_sums(updated)
+        return outputs
+
+    def _write_sums(self, variables) -> None:
+        """Each variable becomes its sum over the workers; this worker's own value is kept."""
+        mine = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        summed = self.sum_over_workers(mine)
+        for variable, own, total in zip(variables, mine, summed):
+            _, local, last = self._shadow(variable)
+            local.assign(own)
+            last.assign(total)
+            variable.assign(total)
+
     def metrics_step(self, model, run):
         """Runs a train or test step (``run()``) with whole-data metric results."""
         for variable in _metric_variables(model):
@@ -188,13 +244,7 @@ class Exchange:
         variables = _metric_variables(model)
         if not variables:
             return outputs
-        mine = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-        summed = self.sum_over_workers(mine)
-        for variable, own, total in zip(variables, mine, summed):
-            _, local, last = self._shadow(variable)
-            local.assign(own)
-            last.assign(total)
-            variable.assign(total)
+        self._write_sums(variables)
         if isinstance(outputs, dict):
             results = model.get_metrics_result()
             outputs = {k: results.get(k, value) for k, value in outputs.items()}
@@ -244,6 +294,17 @@ class Exchange:
         for row, t in zip(rows, flat):
             row.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
         return tf.nest.pack_sequence_as(outputs, rows)
+
+
+def _updated_by(variable, ops, graph) -> bool:
+    """Whether one of ``ops`` (made in ``graph``) may write ``variable``: any op but a read
+    that takes its handle (an assign, or a cond, loop or call that may assign)."""
+    handle = variable.handle
+    internal = next((inner for outer, inner in graph.captures if outer is handle), None)
+    if internal is None:
+        return False
+    return any(op.type != "ReadVariableOp" and any(t is internal for t in op.inputs)
+               for op in ops)
 
 
 def _metric_variables(model) -> list:

@@ -108,6 +108,8 @@ def custom_loop(strategy, model, keras, global_batches) -> dict:
     loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                              reduction="none")
     optimizer = model.optimizer
+    with strategy.scope():  # As in the tutorial: the metric is made in the scope.
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
 
     @tf.function
     def train_step(inputs):
@@ -119,19 +121,24 @@ def custom_loop(strategy, model, keras, global_batches) -> dict:
                                                   global_batch_size=GLOBAL_BATCH)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            accuracy.update_state(labels, logits)
             return loss, labels
 
         loss, labels = strategy.run(step_fn, args=(inputs,))
         return (strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
                 strategy.gather(labels, axis=0))
 
-    losses, gathered = [], []
+    losses, gathered, accuracies = [], [], []
     for inputs in strategy.experimental_distribute_dataset(global_batches):
         loss, labels = train_step(inputs)
         losses.append(float(loss))
         gathered.append(labels.numpy())
+        accuracies.append(float(accuracy.result()))  # Over the cluster's rows so far.
+    accuracy.reset_state()
+    train_step(next(iter(strategy.experimental_distribute_dataset(global_batches))))
+    accuracies.append(float(accuracy.result()))  # After a reset: one step's rows.
     return {"losses": np.asarray(losses), "gathered_first": gathered[0],
-            "gathered_last": gathered[-1]}
+            "gathered_last": gathered[-1], "loop_accuracy": np.asarray(accuracies)}
 
 
 def resume(strategy, checkpoint: str) -> dict:

@@ -98,6 +98,8 @@ def assert_matches_single_process(run: Result, single: Result, tag="single") -> 
             assert_close(arrays[key], expected[key], f"{name}: trainable variable {key}")
         # Every worker reports every step's loss over the whole global batch.
         assert_close(arrays["losses"], expected["losses"], f"{name}: reduced losses")
+        # A metric updated inside strategy.run reads the cluster's rows, as under MWMS.
+        assert_close(arrays["loop_accuracy"], expected["loop_accuracy"], f"{name}: metric")
         for key in ("gathered_first", "gathered_last"):
             np.testing.assert_array_equal(arrays[key], expected[key], err_msg=f"{name} {key}")
         assert run.info[name]["iterations"] == expected_info["iterations"]

@@ -88,6 +88,7 @@ def test_a_second_gradient_for_the_same_variable_and_iteration_fails_and_keeps_t
     e._native, e._dispatch = _native, make_dispatch()
     e._stop = threading.Event()
     e._learning_rate, e._recorder, e._learning_rates = None, None, {}
+    e._batch_rows_of, e._batch_rows = None, {}
     e._lock = threading.Lock()
     e._send_queues = [queue.Queue(), queue.Queue()]
     e._pull_queues = [queue.Queue(), queue.Queue()]

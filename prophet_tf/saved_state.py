@@ -72,6 +72,7 @@ class SavedState:
     def start(self, optimizer, trained: list, resume_step: int) -> None:
         """At Register: sends a resumed state (worker 0), then hooks the optimizer's saving."""
         if not self.supports(optimizer):
+            _refuse_checkpoints_of_ps_state(optimizer)
             return
         keys = _keys(optimizer, trained)
         if resume_step and self.worker_id == 0:
@@ -142,3 +143,26 @@ def _keys(optimizer, trained: list) -> list:
         keys.append(next((k for k, t in enumerate(trained) if t is inner or t is variable),
                          None))
     return keys
+
+
+def _refuse_checkpoints_of_ps_state(optimizer) -> None:
+    """A tf_keras optimizer's trained slots live on the PS, which this worker cannot read
+    into them: a tf.train.Checkpoint (save_weights in the TensorFlow format,
+    BackupAndRestore) would save its untrained copy, so it is refused instead."""
+    children = optimizer._trackable_children
+
+    def _trackable_children(save_type="checkpoint", **kwargs):
+        found = children(save_type, **kwargs)
+        slots = [v for v in getattr(optimizer, "variables", [])
+                 if v is not getattr(optimizer, "iterations", None)]
+        if save_type == "checkpoint" and slots:
+            raise ValueError(
+                "A tf_keras optimizer's state is trained on the parameter server, and "
+                "prophet_tf.Strategy can write it only into Keras 3 saves: this checkpoint "
+                "would hold the worker's untrained copy. Use a Keras 3 model, or save the "
+                "weights alone (model.save_weights('weights.h5')). Received: a "
+                f"tf.train.Checkpoint of {type(optimizer).__module__}."
+                f"{type(optimizer).__name__} with {len(slots)} state variables")
+        return found
+
+    optimizer._trackable_children = _trackable_children

@@ -43,27 +43,30 @@ _STEP_NAMES = ("train_step", "test_step", "predict_step")
 
 
 def keras_step(fn):
-    """``(model, kind)`` when ``fn`` (given to ``strategy.run``) is a Keras 3 model's train,
-    test or predict step (``kind`` is the method's name), else ``(None, None)``.
+    """``(model, kind)`` when ``fn`` (given to ``strategy.run``) is a Keras 3 or tf_keras
+    model's train, test or predict step (``kind`` is the method's name), else
+    ``(None, None)``.
 
     Keras 3 runs ``model.train_step``/``test_step`` themselves and, for
-    predict, a closure over the model that calls ``predict_step``.
-    tf.distribute wraps the function, so wrappers and closures are searched a
-    few levels deep.
+    predict, a closure over the model that calls ``predict_step``; tf_keras
+    runs a closure over the model that calls one of the three. tf.distribute
+    wraps the function, so wrappers and closures are searched a few levels deep.
     """
-    keras = sys.modules.get("keras")
-    if keras is None:  # No Keras 3 model can exist.
+    models = tuple(module.Model for module in (sys.modules.get("keras"),
+                                               sys.modules.get("tf_keras")) if module)
+    if not models:  # No Keras model can exist.
         return None, None
 
     def step_of(f):
         owner = getattr(f, "__self__", None)
-        if isinstance(owner, keras.Model) and getattr(f, "__name__", "") in _STEP_NAMES:
+        if isinstance(owner, models) and getattr(f, "__name__", "") in _STEP_NAMES:
             return owner, f.__name__
         code = getattr(f, "__code__", None)
-        if code is not None and "predict_step" in code.co_names:
+        called = [name for name in _STEP_NAMES if code is not None and name in code.co_names]
+        if len(called) == 1:
             for content in _keras_compat.closure_contents(f):
-                if isinstance(content, keras.Model):
-                    return content, "predict_step"
+                if isinstance(content, models):
+                    return content, called[0]
         return None
 
     return _keras_compat.search_closures(fn, step_of, follow=callable) or (None, None)
@@ -71,30 +74,13 @@ def keras_step(fn):
 
 def is_keras_step(fn) -> bool:
     """Whether ``fn`` is a Keras 3 or tf_keras model's train, test or predict step."""
-    if keras_step(fn)[0] is not None:
-        return True
-    return _tf_keras_step(fn, _STEP_NAMES)
-
-
-def _tf_keras_step(fn, names) -> bool:
-    tf_keras = sys.modules.get("tf_keras")
-    if tf_keras is None:
-        return False
-
-    def match(f):
-        code = getattr(f, "__code__", None)
-        if code is not None and any(n in code.co_names for n in names) and any(
-                isinstance(c, tf_keras.Model) for c in _keras_compat.closure_contents(f)):
-            return True
-        return None
-
-    return bool(_keras_compat.search_closures(fn, match, follow=callable))
+    return keras_step(fn)[0] is not None
 
 
 def is_train_step(fn) -> bool:
     """Whether ``fn`` (given to ``strategy.run``) is a Keras 3 or tf_keras model's train step:
     one whose loss Keras divides by the number of workers (``num_replicas_in_sync``)."""
-    return keras_step(fn)[1] == "train_step" or _tf_keras_step(fn, ("train_step",))
+    return keras_step(fn)[1] == "train_step"
 
 
 class Exchange:

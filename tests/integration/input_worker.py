@@ -14,6 +14,7 @@ One model and one Adam optimizer go through, in this order:
      strategy.gather of the labels.
   4. evaluate and predict over distributed datasets, and a tf.train.Checkpoint of the
      model and the optimizer (DIR/<name>-checkpoint).
+--keras tf_keras builds and trains the model with tf_keras (Keras 2) instead.
 With --resume-from CHECKPOINT: a new model restored from it, then one loop epoch.
 Single-process Keras on the global batches runs the same code on the default
 strategy (and then resumes from its own checkpoint), so its results are the
@@ -37,6 +38,8 @@ import tensorflow as tf  # noqa: E402
 IN_DIM, NUM_CLASSES, SEED = 5, 3, 11
 GLOBAL_BATCH = 8
 ROWS = 3 * GLOBAL_BATCH + 4  # a last batch of 4 rows
+STEPS = 4  # batches of GLOBAL_BATCH rows
+K = None  # keras or tf_keras (--keras)
 PER_WORKER_BATCH = 2  # distribute_datasets_from_function: 2 rows per worker and step
 
 
@@ -55,8 +58,7 @@ def build_model(keras):
 
 
 def run(strategy, distributed: bool, workers: int, checkpoint: str) -> dict:
-    import keras
-
+    keras = K
     x, y = make_data()
     with strategy.scope():
         model = build_model(keras)
@@ -66,8 +68,9 @@ def run(strategy, distributed: bool, workers: int, checkpoint: str) -> dict:
     global_batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
 
     # 1. A dataset of global batches, distributed by the strategy.
+    # tf_keras needs the steps of a distributed dataset (as under MWMS).
     first = model.fit(strategy.experimental_distribute_dataset(global_batches),
-                      epochs=1, verbose=0)
+                      epochs=1, verbose=0, steps_per_epoch=STEPS)
 
     # 2. Per-worker batches from a function of the input context.
     step_rows = PER_WORKER_BATCH * workers
@@ -84,21 +87,26 @@ def run(strategy, distributed: bool, workers: int, checkpoint: str) -> dict:
     else:  # The same rows per step: the union of the workers' batches.
         second_data = tf.data.Dataset.from_tensor_slices(
             (x[:rows], y[:rows])).batch(step_rows)
-    second = model.fit(second_data, epochs=1, verbose=0)
+    second = model.fit(second_data, epochs=1, verbose=0, steps_per_epoch=rows // step_rows)
 
     # 3. A custom training loop, as in TensorFlow's multi-worker tutorial.
     loop = custom_loop(strategy, model, keras, global_batches)
     # Evaluate and predict over distributed datasets answer for the whole data.
     evaluation = model.evaluate(strategy.experimental_distribute_dataset(global_batches),
-                                verbose=0, return_dict=True)
+                                verbose=0, return_dict=True, steps=STEPS)
     prediction = model.predict(strategy.experimental_distribute_dataset(global_batches),
-                               verbose=0)
+                               verbose=0, steps=STEPS)
     # A tf.train.Checkpoint of the model and the optimizer (the PS's state).
-    tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(checkpoint)
+    try:
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(checkpoint)
+        checkpoint_error = None
+    except ValueError as e:  # tf_keras: refused, its optimizer state is the PS's
+        checkpoint_error = str(e)
     arrays = {f"t{j}": v.numpy() for j, v in enumerate(model.trainable_variables)}
     arrays.update(loop)
     arrays["predict"] = np.asarray(prediction)
     info = {"history": [first.history, second.history], "evaluate": evaluation,
+            "checkpoint_error": checkpoint_error,
             "iterations": int(model.optimizer.iterations.numpy())}
     return {"arrays": arrays, "info": info}
 
@@ -143,8 +151,7 @@ def custom_loop(strategy, model, keras, global_batches) -> dict:
 
 def resume(strategy, checkpoint: str) -> dict:
     """A new model and optimizer restored from ``checkpoint``, then one more loop epoch."""
-    import keras
-
+    keras = K
     x, y = make_data()
     with strategy.scope():
         model = build_model(keras)
@@ -162,6 +169,7 @@ def resume(strategy, checkpoint: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--single", action="store_true")
+    parser.add_argument("--keras", choices=["keras3", "tf_keras"], default="keras3")
     parser.add_argument("--workers", type=int, default=1,
                         help="with --single: the cluster's W (rows per step of the second fit)")
     parser.add_argument("--resume-from", help="restore this checkpoint, then one loop epoch")
@@ -170,6 +178,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     faulthandler.dump_traceback_later(args.watchdog, exit=True)  # A hang fails, with stacks.
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    global K
+    if args.keras == "tf_keras":
+        import tf_keras as K
+    else:
+        import keras as K
     os.makedirs(args.out, exist_ok=True)
     if args.single:
         strategy, name = tf.distribute.get_strategy(), "single"

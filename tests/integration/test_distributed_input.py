@@ -48,9 +48,11 @@ class Result:
         self.info = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names}
 
 
-def launch(tmp_path, workers: int, scheduler: str = "fifo", resume_from=None) -> Result:
-    out = tmp_path / f"{scheduler}-w{workers}{'-resumed' if resume_from else ''}"
+def launch(tmp_path, workers: int, scheduler: str = "fifo", resume_from=None,
+           keras: str = "keras3") -> Result:
+    out = tmp_path / f"{keras}-{scheduler}-w{workers}{'-resumed' if resume_from else ''}"
     extra = ["--resume-from", str(resume_from)] if resume_from else []
+    extra += ["--keras", keras]
     code = _run([sys.executable, "-m", "prophet_tf", "launch", "--workers", str(workers),
                  "--ps", "2", "--scheduler", scheduler, "--", sys.executable,
                  str(INPUT_WORKER), "--out", str(out), *extra],
@@ -66,14 +68,15 @@ def single(tmp_path_factory):
     """The same program on the default strategy, for a cluster of W workers."""
     runs = {}
 
-    def get(workers: int) -> Result:
-        if workers not in runs:
-            tmp = tmp_path_factory.mktemp(f"single-w{workers}")
+    def get(workers: int, keras: str = "keras3") -> Result:
+        if (workers, keras) not in runs:
+            tmp = tmp_path_factory.mktemp(f"single-{keras}-w{workers}")
             code = _run([sys.executable, str(INPUT_WORKER), "--single", "--workers",
-                         str(workers), "--out", str(tmp)], tmp / "single.log", _env())
+                         str(workers), "--keras", keras, "--out", str(tmp)],
+                        tmp / "single.log", _env())
             assert code == 0, (tmp / "single.log").read_text(errors="replace")[-6000:]
-            runs[workers] = Result(tmp, ["single", "single-resumed"])
-        return runs[workers]
+            runs[workers, keras] = Result(tmp, ["single", "single-resumed"])
+        return runs[workers, keras]
 
     return get
 
@@ -82,10 +85,11 @@ def single(tmp_path_factory):
 def clusters(tmp_path_factory):
     tmp, runs = tmp_path_factory.mktemp("clusters"), {}
 
-    def get(workers: int, scheduler: str = "fifo", resume_from=None) -> Result:
-        key = (workers, scheduler, resume_from)
+    def get(workers: int, scheduler: str = "fifo", resume_from=None,
+            keras: str = "keras3") -> Result:
+        key = (workers, scheduler, resume_from, keras)
         if key not in runs:
-            runs[key] = launch(tmp, workers, scheduler, resume_from)
+            runs[key] = launch(tmp, workers, scheduler, resume_from, keras)
         return runs[key]
 
     return get
@@ -119,6 +123,18 @@ def test_three_uneven_workers_train_every_idiom_as_single_process(clusters, sing
     """Shares of 2, 3, 3 rows (and 1, 1, 2 of the last batch): no row is split twice or
     dropped, each worker's gradient weighs its rows, every reduced loss is the cluster's."""
     assert_matches_single_process(clusters(3), single(3))
+
+
+@pytest.mark.timeout(2 * CLUSTER_TIMEOUT)
+def test_tf_keras_trains_every_idiom_as_single_process(clusters, single):
+    """The same program with tf_keras (Keras 2): fit over distributed datasets (with
+    steps_per_epoch, as tf_keras asks), the custom loop, evaluate and predict."""
+    run = clusters(3, keras="tf_keras")
+    assert_matches_single_process(run, single(3, keras="tf_keras"))
+    for name, info in run.info.items():
+        # Its optimizer's state is the PS's, which only Keras 3 saves hold: refused.
+        assert "tf_keras optimizer's state" in (info["checkpoint_error"] or ""), name
+        assert "Received: a tf.train.Checkpoint of tf_keras" in info["checkpoint_error"]
 
 
 def test_a_checkpoint_of_a_custom_loop_holds_the_ps_optimizer_state(clusters, single):

@@ -106,7 +106,7 @@ def test_evaluate_predict_get_weights_see_latest_parameters(runs):
     run.check_ok()
     # get_weights after fit: the last step's parameters (= single-process step 6).
     assert_reads_see_latest_parameters(run, reference(run.config)["trainable"],
-                                      whole_data=False)
+                                      whole_data=True)
 
 
 # -- 4. misuse -----------------------------------------------------------------------------

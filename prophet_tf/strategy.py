@@ -250,7 +250,9 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         model, kind = whole_data.keras_step(fn)
         # A Keras train step's loss is this worker's mean over its rows divided
         # by W: the PS weights its gradient by its rows (GradientChunk.batch_rows).
-        self._share_rows = _rows_of(args) if whole_data.is_train_step(fn) else None
+        self._share_rows = _rows_of(args) if (
+            kind == "train_step" and self.cluster.num_workers > 1
+            and whole_data.loss_divides_by_rows(model)) else None
         if kind == "train_step" and loss_scaling.is_loss_scale_optimizer(model.optimizer):
             self._install_loss_scaling(model.optimizer)
         run = lambda: super(PSExtended, self)._call_for_each_replica(fn, args, kwargs)  # noqa: E731

@@ -37,7 +37,7 @@ from prophet_tf import _keras_compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Exchange", "is_keras_step", "is_train_step", "keras_step"]
+__all__ = ["Exchange", "is_keras_step", "keras_step", "loss_divides_by_rows"]
 
 _STEP_NAMES = ("train_step", "test_step", "predict_step")
 
@@ -77,10 +77,43 @@ def is_keras_step(fn) -> bool:
     return keras_step(fn)[0] is not None
 
 
-def is_train_step(fn) -> bool:
-    """Whether ``fn`` (given to ``strategy.run``) is a Keras 3 or tf_keras model's train step:
-    one whose loss Keras divides by the number of workers (``num_replicas_in_sync``)."""
-    return keras_step(fn)[1] == "train_step"
+# Loss reductions that divide by the rows of the batch (Keras 3; "auto" is tf_keras's
+# name for it), and those that sum (compiled "none" losses are summed by Keras).
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
+_SUM_REDUCTIONS = ("sum", "none", None)
+
+
+def loss_divides_by_rows(model) -> bool:
+    """Whether the model's compiled losses are means over the batch's rows (the default):
+    each worker's gradient then needs its rows' weight; False when they are sums.
+
+    Raises:
+      ValueError: a reduction the weights cannot make exact over workers
+        ("mean_with_sample_weight", divided by each worker's own weights), or
+        means and sums mixed.
+    """
+    kinds = set()
+    for loss in tf.nest.flatten(getattr(model, "loss", None)):
+        if loss is None:
+            continue
+        reduction = getattr(loss, "reduction", "sum_over_batch_size")  # names, functions
+        if reduction in _MEAN_REDUCTIONS:
+            kinds.add("mean")
+        elif reduction in _SUM_REDUCTIONS:
+            kinds.add("sum")
+        else:
+            raise ValueError(
+                "prophet_tf.Strategy trains on each worker's rows of the global batch and "
+                "weights each worker's gradient by its rows, which makes losses reduced by "
+                "'sum_over_batch_size' (the default) or 'sum' exact; this reduction divides "
+                "by each worker's own sample weights. Received: loss "
+                f"{getattr(loss, 'name', loss)!r} with reduction={reduction!r}")
+    if len(kinds) > 1:
+        raise ValueError("prophet_tf.Strategy weights each worker's gradient by its rows for "
+                         "losses that are means over the batch, not for sums: compile losses "
+                         "of one kind. Received: reductions "
+                         f"{[getattr(x, 'reduction', None) for x in tf.nest.flatten(model.loss)]}")
+    return kinds != {"sum"}
 
 
 class Exchange:

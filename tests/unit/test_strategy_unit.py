@@ -315,3 +315,35 @@ def test_distribute_datasets_from_function_names_a_wrong_return_and_replication_
         experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)
     with pytest.raises(NotImplementedError, match="PER_REPLICA"):
         strategy.experimental_distribute_dataset(tf.data.Dataset.range(2), options)
+
+
+# -- which train steps the PS weights by rows ---------------------------------------------------
+
+def _compiled(keras_module, loss):
+    model = keras_module.Sequential([keras_module.Input((2,)), keras_module.layers.Dense(1)])
+    model.compile("sgd", loss=loss)
+    return model
+
+
+@pytest.mark.parametrize("flavour", ["keras", "tf_keras"])
+def test_mean_losses_are_weighted_by_rows_and_sums_are_not(flavour):
+    import importlib
+
+    from prophet_tf import whole_data
+    K = importlib.import_module(flavour)
+    assert whole_data.loss_divides_by_rows(_compiled(K, "mse"))
+    assert whole_data.loss_divides_by_rows(_compiled(K, K.losses.MeanSquaredError()))
+    assert not whole_data.loss_divides_by_rows(
+        _compiled(K, K.losses.MeanSquaredError(reduction="sum")))
+    with pytest.raises(ValueError, match="one kind. Received: reductions"):
+        whole_data.loss_divides_by_rows(_compiled(K, [K.losses.MeanSquaredError(),
+                                                      K.losses.MeanSquaredError(reduction="sum")]))
+
+
+def test_a_loss_divided_by_its_own_sample_weights_is_refused():
+    import keras
+
+    from prophet_tf import whole_data
+    with pytest.raises(ValueError, match="reduction='mean_with_sample_weight'"):
+        whole_data.loss_divides_by_rows(
+            _compiled(keras, keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")))

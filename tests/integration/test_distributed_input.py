@@ -173,9 +173,11 @@ def test_sums_do_not_depend_on_the_scheduler(clusters):
 
 @pytest.mark.slow
 @pytest.mark.timeout(3 * CLUSTER_TIMEOUT)
-@pytest.mark.parametrize("scheduler", ["p3", "bytescheduler"])
-def test_sums_do_not_depend_on_the_scheduler_long(clusters, scheduler):
-    fifo, other = clusters(3, "fifo"), clusters(3, scheduler)
+@pytest.mark.parametrize("scheduler", ["p3", "bytescheduler", "fifo-again"])
+def test_sums_do_not_depend_on_the_scheduler_long(clusters, tmp_path, scheduler):
+    """Every scheduler, and a second FIFO run, bit for bit FIFO's."""
+    fifo = clusters(3, "fifo")
+    other = launch(tmp_path, 3, "fifo") if scheduler == "fifo-again" else clusters(3, scheduler)
     for name in fifo.arrays:
         for key, value in fifo.arrays[name].items():
             np.testing.assert_array_equal(other.arrays[name][key], value, err_msg=key)
@@ -183,6 +185,8 @@ def test_sums_do_not_depend_on_the_scheduler_long(clusters, scheduler):
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * CLUSTER_TIMEOUT)
-def test_five_workers_with_a_last_partial_batch_train_as_single_process(clusters, single):
+@pytest.mark.parametrize("keras", ["keras3", "tf_keras"])
+def test_five_workers_with_a_last_partial_batch_train_as_single_process(clusters, single,
+                                                                        keras):
     """5 workers: shares of 1 or 2 rows of 8, and of 0 or 1 of the last batch of 4."""
-    assert_matches_single_process(clusters(5), single(5))
+    assert_matches_single_process(clusters(5, keras=keras), single(5, keras=keras))

@@ -299,6 +299,13 @@ def test_data_sharding_of_files_splits_each_global_batch(tmp_path):
         == [[2, 3], [6, 7]]
 
 
+def test_the_tf_data_service_hint_policy_is_refused():
+    dataset = _with_policy(tf.data.Dataset.range(8).batch(4),
+                           tf.data.experimental.AutoShardPolicy.HINT)
+    with pytest.raises(ValueError, match="Received: auto_shard_policy=HINT"):
+        Strategy(worker_config(index=0)).experimental_distribute_dataset(dataset)
+
+
 def test_no_sharding_gives_every_worker_every_row_in_pieces():
     dataset = _with_policy(tf.data.Dataset.range(8).batch(4),
                            tf.data.experimental.AutoShardPolicy.OFF)

@@ -197,8 +197,8 @@ def uplinks(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     layout: worker i and PS i share host i): its worker's pushes of step k
     to the other hosts' PS tasks and its PS's answers of version k+1 to the
     other hosts' workers, in MB, and when each ended (s from the step's
-    first gradient on any worker), and how far apart the hosts' pushes
-    ended."""
+    first gradient on any worker, ``start_s``: that gradient's time on the
+    monotonic clock), and how far apart the hosts' pushes ended."""
     events = _workers(directory)
     n = len(events)
     transfers = [_transfers(ev) for ev in events]
@@ -223,7 +223,8 @@ def uplinks(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
                           "answer_end_s": (max(t for t, _ in answered) - starts[k]) / 1e6})
         else:
             ends = [x["push_end_s"] for x in hosts]
-            rows.append({"step": k, "hosts": hosts, "push_end_spread_s": max(ends) - min(ends)})
+            rows.append({"step": k, "start_s": starts[k] / 1e6, "hosts": hosts,
+                         "push_end_spread_s": max(ends) - min(ends)})
     return rows
 
 

@@ -1,5 +1,14 @@
-"""`prophet-tf bench` end to end: a short run of two schedulers on a shaped network."""
+"""`prophet-tf bench` end to end: a short run of two schedulers on a shaped network.
+
+How busy the links were and how long a step took are measurements, which
+the bench reports (its table and JSON; benchmarks/link_rate.py for a link
+alone); they move with the machine's load, so this test does not bound
+them. It checks what they are made of instead: the bytes each link had to
+carry, the time the shaper needs for them at least, and that the loads
+through the step add up to the bytes the interface counted.
+"""
 import json
+import statistics
 
 import pytest
 
@@ -37,6 +46,7 @@ def check_breakdown(directory, record, result):
     if not record["payload_bytes_per_s"]:
         assert events is None  # no shaped link: no link load to place events beside
         return
+    check_the_shaper_held_the_exchange(rows)
     at = events["events"]
     assert set(at) == set(breakdown.STEP_EVENTS)
     for name, (low, high) in events["events_range"].items():
@@ -50,9 +60,49 @@ def check_breakdown(directory, record, result):
     assert at["last sum complete (PS)"] <= at["every worker's last push"] + slack
     assert at["last answer handed to gRPC (PS)"] <= at["last answer in"] + slack
     assert at["first gradient ready"] <= at["last gradient ready"] <= 1 + slack
-    assert all(len(load) == 10 and all(x is None or 0 <= x < ideal.TCP_FRAMING * 1.05
-                                       for x in load)
-               for load in events["link_load"].values()), events["link_load"]
+    # The load per tenth of the step, averaged over the hosts: the tenths
+    # share out each step's counted bytes, none lost or counted twice.
+    for side, load in events["link_load"].items():
+        assert len(load) == 10 and all(x >= 0 for x in load), events["link_load"]
+        per_host = [mean_step_load(record, h, side, WARMUP) for h in sorted(record["host_worker"])]
+        assert statistics.fmean(load) == pytest.approx(statistics.fmean(per_host)), side
+
+
+def check_the_shaper_held_the_exchange(rows):
+    """The network is really shaped: every byte a host receives leaves the
+    token bucket at its link's bridge end, which passes at most its rate
+    times a span plus its burst in any span. In each measured step a host
+    receives the other host's pushes to its PS task and the other PS task's
+    answers to its worker; they began after the step's first gradient and
+    had arrived when they ended (the timelines), so their bytes bound from
+    below the span they crossed in. Unshaped, the span is about a third of
+    that bound. No load of the machine can break the bound: load only makes
+    the exchange slower."""
+    wire_bytes_per_s = BANDWIDTH_MBIT * 1e6 / 8
+    burst, _ = netns._tbf_sizes(BANDWIDTH_MBIT * 1e6)
+    begin = min(r["start_s"] for r in rows)
+    end = max(r["start_s"] + max(max(x["push_end_s"], x["answer_end_s"]) for x in r["hosts"])
+              for r in rows)
+    for h in (0, 1):
+        # Two hosts: what host h receives is what the other host's uplink carried.
+        received = sum(r["hosts"][1 - h]["push_mb"] + r["hosts"][1 - h]["answer_mb"]
+                       for r in rows) * 1e6
+        assert (end - begin) * wire_bytes_per_s + burst >= received, (h, end - begin, received)
+
+
+def mean_step_load(record, host, side, warmup):
+    """From run.json's raw counters, independently of link_load.link_phases:
+    over the host's worker's steps after ``warmup``, the bytes its interface
+    counted in ``side`` ("sent" or "received") in each step over what the
+    link's payload rate carries in that step, averaged over the steps."""
+    counter = link_load.Counter(record["link_bytes"], host, dict(link_load.SIDES)[side])
+    ends = link_load.step_ends(record["workers"][record["host_worker"].get(host, 0)])
+    loads = []
+    for begin, end in zip(ends[warmup:], ends[warmup + 1:]):
+        a, b = counter.at(begin), counter.at(end)
+        if a is not None and b is not None:
+            loads.append((b - a) / ((end - begin) * record["payload_bytes_per_s"]))
+    return statistics.fmean(loads)
 
 
 @pytest.mark.timeout(420)
@@ -92,38 +142,26 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
         assert r["step_time_s"] > 0 and len(r["step_time_s_all"]) == 1
         assert r["samples_per_s"] == pytest.approx(config["global_batch"] / r["step_time_s"])
         assert r["ideal_step_time_s"] >= floor * 0.999
-        # Unshaped, this model's step takes about a third of this on loopback.
-        assert r["step_time_s"] >= floor * 0.95, (r, floor)
-        assert r["step_time_s"] >= r["ideal_step_time_s"] * 0.9
         if config["shaping"] == "netns":
-            # Each host's link, each way, over the measured steps: no more than
-            # the shaper lets through (headers included), and this
-            # link-bound run keeps its busiest link mostly busy.
+            # Each host's link, each way, over the measured steps, and per
+            # tenth of the step: loads, which add up to the counted bytes
+            # (checked beside the run's record below). Their values are
+            # measurements: over a tenth of a step, shorter than the
+            # counters' sampling period, the shaper's burst alone can lift
+            # one above the rate (a tenth read 1.108 with nothing wrong).
             loads = r["link_load"]
             assert sorted(loads) == ["received", "sent"]
-            assert all(0 < v < ideal.TCP_FRAMING * 1.05 for side in loads.values()
-                       for v in side), loads
-            assert link_load.busiest_load(loads) > 0.3, loads
-            # Through the step: a load per tenth, per host and direction. The
-            # shaper is a token bucket: after an idle moment it lets its burst
-            # through at once, so one tenth of a step may carry up to the
-            # burst more than the rate (a tenth read 1.108 with no bug); a
-            # whole step, the mean of its tenths, barely more than the rate.
+            assert all(len(side) == 2 and all(v >= 0 for v in side)
+                       for side in loads.values()), loads
+            assert link_load.busiest_load(loads) > 0, loads
             phases = r["link_phases"]
-            burst, _ = netns._tbf_sizes(BANDWIDTH_MBIT * 1e6)
-            rate = ideal.payload_bytes_per_s(BANDWIDTH_MBIT)
-            tenth = r["step_time_s"] / link_load.PHASE_BINS * rate
-            for side in phases.values():
-                for h in side:
-                    assert len(h) == link_load.PHASE_BINS, phases
-                    assert all(0 <= v < ideal.TCP_FRAMING * 1.05 + burst / tenth
-                               for v in h), (h, burst / tenth)
-                    assert sum(h) / len(h) < ideal.TCP_FRAMING * 1.05 + burst / (
-                        tenth * link_load.PHASE_BINS), h
+            assert sorted(phases) == ["received", "sent"]
+            assert all(len(h) == link_load.PHASE_BINS and all(v >= 0 for v in h)
+                       for side in phases.values() for h in side), phases
     # Beside each run's timelines, what places its events in its steps.
     records = sorted((tmp_path / "timelines").glob("*/run.json"))
     assert [p.parent.name.split("-")[0] for p in records] == ["fifo", "prophet"]
-    for path in records:
+    for path, r in zip(records, result["results"]):
         record = json.loads(path.read_text())
         assert [len(w["step_times_s"]) for w in record["workers"]] == [9, 9]
         assert len(list(path.parent.glob("worker-*.json"))) == 2
@@ -140,6 +178,12 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
                 ideal.payload_bytes_per_s(BANDWIDTH_MBIT))
             assert sorted(record["host_worker"].values()) == [0, 1]
             assert len(record["link_bytes"]) > 10
+            # One run: its tenths are this record's. Their mean is each
+            # measured step's counted bytes over what the link carries in it.
+            for side, hosts in r["link_phases"].items():
+                for h, tenths in zip(sorted(record["host_worker"]), hosts):
+                    assert statistics.fmean(tenths) == pytest.approx(
+                        mean_step_load(record, h, side, config["warmup_steps"])), (side, h)
         check_breakdown(path.parent, record, result)
     assert "fifo" in proc.stdout and "prophet" in proc.stdout  # the table
     if netns.available()[0]:

@@ -1,8 +1,12 @@
 """Tests of the EmulatedDelay op and prophet_tf.bench.emulation.delay.
 
-Timings are wall clock around a warm tf.function (or eager call) that does
-nothing but the delay, median of several, so a busy shared machine moves them
-little; a delay must never finish early.
+A delay must never finish early: that is its contract, and the timings
+here check it with lower bounds only, which a busy machine cannot break (it
+only makes things later). How close to its seconds a delay ends, and how
+little the delays of a step add to each other, are measurements that move
+with the machine's load: benchmarks/bench_emulated_delay.py reports them.
+What lets delays overlap or orders them is checked in the graph, and the
+order of their ends by the stamps' clock.
 """
 import statistics
 import subprocess
@@ -41,23 +45,36 @@ def test_delay_takes_its_seconds_in_a_tf_function():
 
     times = _wall(step)
     assert min(times) >= 0.2, times
-    assert statistics.median(times) == pytest.approx(0.2, rel=0.1), times
 
 
 def test_delay_takes_its_seconds_eagerly():
     x = tf.constant([1.0])
     times = _wall(lambda: emulation.delay(x, 0.1), repeats=5)
     assert min(times) >= 0.1, times
-    assert statistics.median(times) == pytest.approx(0.1, rel=0.1), times
+
+
+def _ends(records, keys):
+    """When the host saw each of ``keys`` ready (ns), from drained stamps."""
+    return {k: int(records["t_ns"][records["key"] == k][0]) for k in keys}
 
 
 def test_zero_seconds_completes_at_once():
+    # Beside a one-second delay started with it, the zero one is done first:
+    # it waits for nothing.
     @tf.function
     def step(x):
-        return emulation.delay(x, 0.0)
+        zero = _native.ready_stamp(emulation.delay(x, 0.0), key=1, step=0)
+        long = _native.ready_stamp(emulation.delay(x + 1.0, 1.0), key=2, step=0)
+        return zero, long
 
-    times = _wall(step, tf.constant([1.0]))
-    assert statistics.median(times) < 0.02, times
+    x = tf.constant([1.0])
+    _native.drain_stamps()
+    for _ in range(2):  # traced, then warm
+        zero, long = step(x)
+        ends = _ends(_native.drain_stamps(), (1, 2))
+        assert ends[1] < ends[2], ends
+    np.testing.assert_array_equal(zero.numpy(), [1.0])
+    np.testing.assert_array_equal(long.numpy(), [2.0])
 
 
 def test_waiting_burns_no_cpu():
@@ -88,9 +105,14 @@ def test_concurrent_delays_take_the_longest_not_the_sum():
     times = _wall(step, x, repeats=3)
     out = step(x)
     np.testing.assert_array_equal(out.numpy(), 1.0 + np.arange(50, dtype=np.float32))
-    # The sum would be 8.75 s: the delays overlap and hold no inter-op thread.
     assert min(times) >= 0.3, times
-    assert statistics.median(times) < 0.3 * 1.5, times
+    # Nothing orders one delay after another: no control edge between them
+    # (tf.function's automatic ones are left out), and none feeds another.
+    # That they then overlap, holding no inter-op thread while they wait (the
+    # sum would be 8.75 s), benchmarks/bench_emulated_delay.py measures.
+    delays = _delay_ops(step, x)
+    assert len(delays) == 50
+    assert not any(_depends_on(a, b) for a in delays for b in delays if a is not b)
 
 
 def test_after_orders_delays():
@@ -106,9 +128,34 @@ def test_after_orders_delays():
 
     x = tf.constant(1.0)
     chained_times = _wall(chained, x, repeats=3)
-    independent_times = _wall(independent, x, repeats=3)
+    # `after` makes the second start once the first is done.
     assert min(chained_times) >= 0.2, chained_times
-    assert statistics.median(independent_times) < 0.15, independent_times
+    first, second = _delay_ops(chained, x)
+    assert _depends_on(second, first) and not _depends_on(first, second)
+    # Without it, neither waits for the other.
+    first, second = _delay_ops(independent, x)
+    assert not _depends_on(second, first) and not _depends_on(first, second)
+    np.testing.assert_array_equal(independent(x).numpy(), 3.0)
+
+
+def _delay_ops(fn, *args):
+    """The EmulatedDelay ops of ``fn``'s graph, in program order."""
+    graph = fn.get_concrete_function(*args).graph
+    return [op for op in graph.get_operations() if op.type == "EmulatedDelay"]
+
+
+def _depends_on(op, other) -> bool:
+    """Whether ``op`` waits for ``other``: by data or control, directly or not."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for before in [t.op for t in current.inputs] + list(current.control_inputs):
+            if before.name == other.name:
+                return True
+            if before.name not in seen:
+                seen.add(before.name)
+                stack.append(before)
+    return False
 
 
 def test_unused_delay_still_runs():
@@ -140,10 +187,10 @@ def test_hidden_launch_gaps_keep_a_chain_on_its_seconds():
     plain = _wall(_chain(0.002, 100, False), x, repeats=5)
     hidden = _wall(_chain(0.002, 100, True), x, repeats=5)
     # Never early: each delay counts from its own start, or from its
-    # predecessor's deadline, which is no later.
+    # predecessor's deadline, which is no later. (How much of the launch
+    # gaps hiding takes back: benchmarks/bench_emulated_delay.py.)
     assert min(plain) >= 0.2, plain
     assert min(hidden) >= 0.2, hidden
-    assert statistics.median(hidden) <= 0.2 * 1.03, (hidden, plain)
 
 
 def test_a_gap_longer_than_the_launch_window_is_kept():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from prophet_tf.ps import checkpoint as checkpoint_lib
+from prophet_tf.ps import liveness
 import ps_helpers
 from prophet_tf.ps.v1 import ps_pb2
 from test_servicer import (Context, config, expect_abort, grad_chunks, initial,  # noqa: F401
@@ -36,29 +37,55 @@ def train(servicer, steps, first=0, seed=0):
 
 # ------------------------------------------------------------------ liveness
 
-def test_a_silent_worker_is_lost_and_fails_waiting_pulls(make_servicer):
+class _Clock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The clock the PS reads heartbeats on, moved by the test alone: which
+    worker is lost then follows from what the test sends, not from how
+    promptly a loaded machine runs its threads. The watchdog still wakes on
+    real time."""
+    fake = _Clock()
+    monkeypatch.setattr(liveness, "time", fake)
+    return fake
+
+
+def test_a_silent_worker_is_lost_and_fails_waiting_pulls(make_servicer, clock):
     failures = []
     servicer = make_servicer(worker_timeout_s=0.5, on_failure=failures.append)
     cfg = config(keras.optimizers.SGD(1.0))
     register(servicer, 0, cfg, initial())
     register(servicer, 1, cfg)
+    heartbeat(servicer, 0)
     heartbeat(servicer, 1)  # watched from now on; then silent
-    stop = threading.Event()
 
-    def keep_worker_0_alive():
-        while not stop.wait(0.1):
-            heartbeat(servicer, 0)
+    def worker_1_falls_silent():
+        time.sleep(0.2)  # the pull below is waiting by then, most likely
+        clock.advance(0.3)
+        heartbeat(servicer, 0)
+        clock.advance(0.3)  # worker 1 silent for 0.6 s, worker 0 for 0.3 s
+        heartbeat(servicer, 0)
 
-    alive = threading.Thread(target=keep_worker_0_alive)
-    alive.start()
+    silence = threading.Thread(target=worker_1_falls_silent)
+    silence.start()
     try:
         push(servicer, 0, grad_chunks(ints(1), 0))
-        started = time.monotonic()
+        # Failed by the lost worker, not at its own deadline (DEADLINE_EXCEEDED).
         details = expect_abort(servicer.Pull, ps_pb2.PullRequest(
             worker_id=0, min_version=1, items=[ps_pb2.KeyPartition(key=1, partition=0)]),
             grpc.StatusCode.FAILED_PRECONDITION, "Worker 1 was lost",
             context=Context(timeout=30))
-        assert time.monotonic() - started < 5.0
         assert "Worker 0" not in details
         deadline = time.monotonic() + 5
         while not failures and time.monotonic() < deadline:
@@ -67,18 +94,23 @@ def test_a_silent_worker_is_lost_and_fails_waiting_pulls(make_servicer):
         assert "Worker 1 was lost" in heartbeat(servicer, 0)
         assert servicer.failure == failures[0]
     finally:
-        stop.set()
-        alive.join()
+        silence.join()
 
 
-def test_a_worker_that_never_connects_fails_the_job(make_servicer):
+def test_a_worker_that_never_connects_fails_the_job(make_servicer, clock):
     servicer = make_servicer(startup_timeout_s=0.5)
     cfg = config(keras.optimizers.SGD(1.0))
     register(servicer, 0, cfg, initial())
-    deadline = time.monotonic() + 5
+    heartbeat(servicer, 0)
+    clock.advance(0.4)
+    heartbeat(servicer, 0)
+    time.sleep(0.5)  # watchdog checks, within the limit
+    assert servicer.failure is None
+    clock.advance(0.2)
+    heartbeat(servicer, 0)
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and servicer.failure is None:
-        heartbeat(servicer, 0)
-        time.sleep(0.1)
+        time.sleep(0.05)
     assert "Worker 1 never connected" in (servicer.failure or "")
 
 
@@ -92,19 +124,20 @@ def test_clients_that_send_no_heartbeat_are_not_watched(make_servicer):
     train(servicer, 1)
 
 
-def test_heartbeats_keep_a_slow_worker_alive(make_servicer):
-    # Heartbeats every 0.1 s against a 3 s limit: a loaded machine would have
-    # to stall this thread 30 times longer than asked to fail it; 4 s of them
-    # outlast the limit, so without them the job would fail.
+def test_heartbeats_keep_a_slow_worker_alive(make_servicer, clock):
+    # A heartbeat every second of the PS's clock against a 3 s limit, for 5
+    # s: without them the job would fail. Between two, the watchdog (every
+    # 0.75 s) checks at least once.
     servicer = make_servicer(worker_timeout_s=3.0)
     cfg = config(keras.optimizers.SGD(1.0))
     register(servicer, 0, cfg, initial())
     register(servicer, 1, cfg)
-    end = time.monotonic() + 4.0
-    while time.monotonic() < end:
+    for _ in range(6):
         assert heartbeat(servicer, 0) == "" and heartbeat(servicer, 1) == ""
-        time.sleep(0.1)
-    assert servicer.failure is None
+        time.sleep(0.8)
+        assert servicer.failure is None
+        clock.advance(1.0)
+    assert heartbeat(servicer, 0) == "" and servicer.failure is None
 
 
 def test_a_departed_worker_fails_pulls_it_can_never_complete(make_servicer):

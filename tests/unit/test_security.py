@@ -316,11 +316,20 @@ def test_wait_serving_returns_on_serving(guarded):
 
 
 def test_wait_serving_times_out_naming_address_and_last_answer():
+    # Attempts are 0.05 s apart: by 0.5 s the wait must have given up, so it
+    # checks at most 12 times (the last at the limit); one that ignores its
+    # limit fails on the 13th.
     address = _closed_address()
+    checks = []
+
+    def alive():
+        checks.append(None)
+        assert len(checks) <= 12, "still waiting past its limit"
+
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
-        health_lib.wait_serving(address, 0.5, security=security.ClientSecurity())
-    assert time.monotonic() - start < 5
+        health_lib.wait_serving(address, 0.5, alive=alive, security=security.ClientSecurity())
+    assert time.monotonic() - start >= 0.5 and len(checks) >= 2
     assert isinstance(info.value, health_lib.NotServingError)
     assert address in str(info.value) and "UNAVAILABLE" in str(info.value)
     assert info.value.last_code == grpc.StatusCode.UNAVAILABLE
@@ -341,10 +350,11 @@ def test_wait_serving_reports_not_serving_status():
 
 
 def test_wait_serving_without_the_token_fails_at_once(guarded):
-    start = time.monotonic()
+    attempts = []
     with pytest.raises(health_lib.HealthCheckRefused) as info:
-        health_lib.wait_serving(guarded.address, 30, security=security.ClientSecurity())
-    assert time.monotonic() - start < 5   # no point waiting for it to change
+        health_lib.wait_serving(guarded.address, 30, alive=lambda: attempts.append(None),
+                                security=security.ClientSecurity())
+    assert len(attempts) == 1   # no point waiting for it to change: no second attempt
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
     assert "missing token" in str(info.value) and "PROPHET_TF_TOKEN" in str(info.value)
 

@@ -559,9 +559,10 @@ def test_pull_deadline(ready):
     start = time.monotonic()
     request = ps_pb2.PullRequest(worker_id=0, min_version=1,
                                  items=[ps_pb2.KeyPartition(key=1, partition=0)])
+    # Ended by its deadline (nothing else would end it: no push comes), not before.
     expect_abort(servicer.Pull, request, grpc.StatusCode.DEADLINE_EXCEEDED,
                  "version 0", "min_version=1", context=context)
-    assert 0.25 < time.monotonic() - start < 5
+    assert time.monotonic() - start > 0.25
 
 
 @pytest.mark.parametrize("fields, code, fragment", [

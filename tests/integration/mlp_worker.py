@@ -21,13 +21,50 @@ import tensorflow as tf  # noqa: E402
 
 import prophet_tf  # noqa: E402
 from prophet_tf import _native  # noqa: E402
+from prophet_tf.ps import client as client_lib  # noqa: E402
+
+#: Iterations of which this worker's engine has begun a push (the timeline's
+#: push starts just before the call); None: not noted (plain Keras).
+PUSHES_BEGUN: set | None = None
+#: Backward passes begun (the k-th is iteration k's).
+BACKWARDS = [0]
+#: How long a backward waits at most for its iteration's first push.
+PUSH_WAIT_S = 20.0
+
+
+def _note_pushes() -> None:
+    global PUSHES_BEGUN
+    PUSHES_BEGUN = set()
+    push_future = client_lib.PSClient.push_future
+
+    def noted(self, chunks, *args, **kwargs):
+        PUSHES_BEGUN.update(c.step for c in chunks)
+        return push_future(self, chunks, *args, **kwargs)
+
+    client_lib.PSClient.push_future = noted
+
+
+def _wait_backward(seconds: float) -> int:
+    """Waits `seconds`, then until this iteration's first push has begun
+    (at most PUSH_WAIT_S: a worker that pushes only after backprop then
+    goes on, and the overlap test fails instead of hanging)."""
+    iteration = BACKWARDS[0]
+    BACKWARDS[0] += 1
+    time.sleep(seconds)
+    deadline = time.monotonic() + PUSH_WAIT_S
+    while PUSHES_BEGUN is not None and iteration not in PUSHES_BEGUN and \
+            time.monotonic() < deadline:
+        time.sleep(0.001)
+    return 0
 
 
 class BackwardDelay(keras.layers.Layer):
-    """Identity forward; its backward waits `seconds` before passing the gradient on.
+    """Identity forward; its backward waits `seconds`, and then until the
+    iteration's first push has begun, before passing the gradient on.
 
-    Placed after the first layer, it makes the first layer's gradient ready a
-    known time after all the others, whatever the machine's load.
+    Placed after the first layer, it makes the first layer's gradient ready
+    at least `seconds` after all the others and after the first push began,
+    whatever the machine's load.
     """
 
     def __init__(self, seconds: float, **kwargs):
@@ -40,7 +77,7 @@ class BackwardDelay(keras.layers.Layer):
         @tf.custom_gradient
         def delayed(x):
             def grad(dy):
-                slept = tf.py_function(lambda: time.sleep(seconds) or 0, [], tf.int32)
+                slept = tf.py_function(lambda: _wait_backward(seconds), [], tf.int32)
                 with tf.control_dependencies([slept]):
                     return tf.identity(dy)
             return tf.identity(x), grad
@@ -57,7 +94,8 @@ def main():
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     parser.add_argument("--backward-delay-ms", type=float, default=0.0,
-                        help="the first layer's gradient becomes ready this much later")
+                        help="the first layer's gradient becomes ready this much later, "
+                             "and once the iteration's first push has begun")
     parser.add_argument("--single", action="store_true",
                         help="plain single-process Keras: the reference weights")
     parser.add_argument("--stamps", action="store_true",
@@ -66,6 +104,8 @@ def main():
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
     keras.utils.set_random_seed(0)
+    if args.backward_delay_ms and not args.single:
+        _note_pushes()
     strategy = None if args.single else prophet_tf.Strategy()
     with strategy.scope() if strategy else contextlib.nullcontext():
         layers = [keras.layers.Dense(int(units), activation="relu")

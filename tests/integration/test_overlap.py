@@ -11,11 +11,13 @@
     first.
 
 Both must hold in every step. The run is built so that a loaded machine cannot
-decide them: the first layer's gradient is ready 60 ms after the others (a
-layer whose backward waits), and the workers' transport is paced at 200 Mbit/s
-(prophet_tf.bench.shaping), so the later layers' 3.7 MB take about 150 ms
-each way: pushes begin about 60 ms before backprop ends, and layer 0's
-parameters are back well before the later layers' last ones.
+decide them: the first layer's gradient is ready 60 ms after the others and
+only once the iteration's first push has begun (a layer whose backward waits
+for both: mlp_worker.py), so in a worker that overlaps, (a) holds whatever
+the load, and one that does not fails it after its wait runs out. The
+workers' transport is paced at 200 Mbit/s (prophet_tf.bench.shaping), so the
+later layers' 3.7 MB take about 150 ms each way: layer 0's parameters are
+back well before the later layers' last ones.
 """
 import json
 import os

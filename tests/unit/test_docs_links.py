@@ -1,4 +1,5 @@
-"""Every relative link and #anchor in the README, CONTRIBUTING.md and docs/ resolves.
+"""Every relative link and #anchor in the README, CONTRIBUTING.md, docs/ and the
+examples' READMEs resolves.
 
 Anchors are GitHub's: a heading's text, lower-cased, without punctuation,
 spaces as hyphens, and -1, -2, ... for repeated headings. Links and headings
@@ -12,7 +13,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md",
-               *(ROOT / "docs").glob("*.md"), *(ROOT / "docs").glob("records/*.md")])
+               *(ROOT / "docs").glob("*.md"), *(ROOT / "docs").glob("records/*.md"),
+               *(ROOT / "examples").glob("*/README.md")])
 
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _FENCE = re.compile(r"^\s*(```|~~~)")

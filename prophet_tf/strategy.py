@@ -260,7 +260,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             return run()
         if model is None:
             # A custom loop's step: the metrics it updates sum over the workers.
-            return run() if whole_data.is_keras_step(fn) else self.exchange.custom_step(run)
+            return self.exchange.custom_step(run)
         if kind == "predict_step":
             return self.exchange.gather_rows(run())
         return self.exchange.metrics_step(model, run)
@@ -351,9 +351,13 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             with tf.init_scope(), tf.device(self._host_device):  # the engine reads it
                 self._rates = tf.Variable(tf.zeros([RATE_SLOTS], tf.float64), trainable=False,
                                           name="prophet_tf_learning_rates")
+        return self._write_step_slot(self._rates,
+                                     tf.cast(tf.convert_to_tensor(variable), tf.float64))
+
+    def _write_step_slot(self, ring: tf.Variable, value):
+        """``value`` into ``ring``'s slot for this step (RATE_SLOTS slots, by step number)."""
         slot = tf.math.floormod(self._step_value, RATE_SLOTS)
-        rate = tf.cast(tf.convert_to_tensor(variable), tf.float64)
-        return self._rates.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(rate, [1]))
+        return ring.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(value, [1]))
 
     def _record_share_rows(self):
         """This step's share rows (-1 when not a Keras train step), where the engine reads them."""
@@ -362,8 +366,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                 self._rows_ring = tf.Variable(tf.fill([RATE_SLOTS], tf.constant(-1, tf.int64)),
                                               trainable=False, name="prophet_tf_share_rows")
         rows = tf.constant(-1, tf.int64) if self._share_rows is None else self._share_rows
-        slot = tf.math.floormod(self._step_value, RATE_SLOTS)
-        return self._rows_ring.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(rows, [1]))
+        return self._write_step_slot(self._rows_ring, rows)
 
     def _rows_of_step(self, step: int) -> int | None:
         """The share rows step ``step`` recorded (``_record_share_rows``); None: unweighted."""

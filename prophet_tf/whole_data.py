@@ -37,7 +37,7 @@ from prophet_tf import _keras_compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Exchange", "is_keras_step", "keras_step", "loss_divides_by_rows"]
+__all__ = ["Exchange", "keras_step", "loss_divides_by_rows"]
 
 _STEP_NAMES = ("train_step", "test_step", "predict_step")
 
@@ -70,11 +70,6 @@ def keras_step(fn):
         return None
 
     return _keras_compat.search_closures(fn, step_of, follow=callable) or (None, None)
-
-
-def is_keras_step(fn) -> bool:
-    """Whether ``fn`` is a Keras 3 or tf_keras model's train, test or predict step."""
-    return keras_step(fn)[0] is not None
 
 
 # Loss reductions that divide by the rows of the batch (Keras 3; "auto" is tf_keras's
@@ -300,19 +295,10 @@ class Exchange:
 
     def gather_rows(self, outputs):
         """The whole batch's predictions: every worker's rows, in worker order."""
-        flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(outputs)]
-
-        def run(*arrays):
-            buffer = io.BytesIO()
-            np.savez(buffer, *[a.numpy() for a in arrays])
-            parts = [np.load(io.BytesIO(p), allow_pickle=False)
-                     for p in self.gather(buffer.getvalue())]
-            return [np.concatenate([p[f"arr_{i}"] for p in parts]) for i in range(len(arrays))]
-
-        rows = tf.py_function(run, flat, [t.dtype for t in flat])
-        for row, t in zip(rows, flat):
+        rows = self.concat(outputs, axis=0)
+        for row, t in zip(tf.nest.flatten(rows), tf.nest.flatten(outputs)):
             row.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
-        return tf.nest.pack_sequence_as(outputs, rows)
+        return rows
 
 
 def _updated_by(variable, ops, graph) -> bool:

@@ -225,19 +225,24 @@ def targets_table(result: dict) -> str:
 
 
 def validate_table(result: dict) -> str:
-    """Markdown lines for a ``simulate --validate`` result; with uneven link
+    """Markdown lines for a ``simulate --validate`` result (of several runs: a
+    column names each); with uneven link
     sharing (``--flow-share``), also each run's range over the seeds and how
     far apart the simulated workers started their steps (median)."""
     cells = "model" in (result["validation"] or [{}])[0]  # of a bench suite
+    runs = "run" in (result["validation"] or [{}])[0]  # several runs predicted
     seeded = any(r.get("share_sigma") for r in result["validation"])
     lines = ["| " + ("model | workers | Gbit/s | " if cells else "")
+             + ("run | " if runs else "")
              + "scheduler | measured | predicted | error |"
              + (" range over seeds | workers apart |" if seeded else ""),
              "|---|---|---|---|" + ("---|---|---|" if cells else "")
-             + ("---|---|" if seeded else "")]
+             + ("---|" if runs else "") + ("---|---|" if seeded else "")]
     for r in result["validation"]:
         where = (f"{r['model']} | {r['workers']} | {r['bandwidth_mbit'] / 1e3:g} | "
                  if cells else "")
+        if runs:
+            where += f"{r['run'].removesuffix('.json')} | "
         spread = ""
         if seeded:
             low, high = r["predicted_range_s"]

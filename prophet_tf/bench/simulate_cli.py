@@ -7,6 +7,7 @@ profile (``--profile``). The simulation itself is prophet_tf.bench.simulate.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import logging
@@ -101,9 +102,13 @@ def _parse(argv):
     parser.add_argument("--sweep", action="store_true",
                         help="2-64 workers x 1-25 Gbit/s (one PS per 4 workers)")
     parser.add_argument("--plot", default=None, help="PNG of speedup over FIFO (with --sweep)")
-    parser.add_argument("--validate", default=None, metavar="BENCH_JSON",
-                        help="predict a `prophet-tf bench` run (or every cell of a "
+    parser.add_argument("--validate", default=None, metavar="BENCH_JSON[,BENCH_JSON...]",
+                        help="predict `prophet-tf bench` runs (or every cell of a "
                              "`--suite` run) and compare per scheduler")
+    parser.add_argument("--costs-from", default=None, metavar="BENCH_JSON[,BENCH_JSON...]",
+                        help="with --validate: charge each message the costs fitted on these "
+                             "other runs of the same cluster shape (held out), not those "
+                             "measured in the runs predicted (in-sample)")
     parser.add_argument("--timeline-dir", default=None,
                         help="with --validate: the run's --timeline-dir, to measure the "
                              "message costs from (default: those in the bench JSON)")
@@ -120,6 +125,16 @@ def _parse(argv):
     parser.add_argument("--profile-iterations", type=int, default=7,
                         help="measured iterations of --profile (after 2 warm-up)")
     return parser.parse_args(argv)
+
+
+def _without_profile(config: dict) -> dict:
+    """A bench config without its copy of the model profile (the bench JSON has it)."""
+    return {k: v for k, v in config.items() if k != "profile"}
+
+
+def _load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
 
 def _print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
@@ -154,15 +169,51 @@ def share_sigma_for(flow_shares: Sequence[dict] | None, link_mbit: float | None,
     return cases[min(cases, key=lambda k: (abs(k - connections), k))]
 
 
+# The configuration that a message-cost fit is of: costs fitted on one cluster
+# shape say nothing of another's (its load on the shared cores differs).
+_FIT_SHAPE = ("model", "workers", "ps", "layout", "bandwidth_mbit", "compute", "host_queue")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostFit:
+    """Message costs fitted on bench runs of one cluster shape (``_FIT_SHAPE``)."""
+    shape: dict
+    by_scheduler: dict  # scheduler spec -> {"overhead_s", "per_byte_s", "messages"}
+
+
+def _shape(config: dict) -> dict:
+    return {k: config.get(k) for k in _FIT_SHAPE}
+
+
+def fit_costs(benches: Sequence[dict]) -> CostFit:
+    """Each PS scheduler's message costs fitted on ``benches`` (bench JSONs of
+    one cluster shape, none of them a run to be predicted): the median over
+    the runs of each cost (``message_costs.combine``)."""
+    if not benches:
+        raise ValueError("a message-cost fit needs at least one bench run. Received none")
+    shapes = [_shape(b["config"]) for b in benches]
+    if any(shape != shapes[0] for shape in shapes):
+        raise ValueError(f"a message-cost fit is of one cluster shape. Received: {shapes}")
+    by_scheduler: dict[str, list] = {}
+    for b in benches:
+        for r in b["results"]:
+            if r.get("message_costs"):
+                by_scheduler.setdefault(r["scheduler"], []).append(r["message_costs"])
+    return CostFit(shapes[0], {name: message_costs.combine(costs)
+                               for name, costs in by_scheduler.items()})
+
+
 def validate(bench: dict, profile: dict,
              rpc_overhead_s: float = simulate_lib.DEFAULT_RPC_OVERHEAD_S,
              timeline_dir: str | None = None, flow_shares: Sequence[dict] | None = None,
-             seeds: int = 5) -> list:
+             seeds: int = 5, fitted: CostFit | None = None) -> list:
     """Predicted vs measured step time per scheduler of a bench JSON.
 
-    Each message costs what the run measured: from its timelines when
-    ``timeline_dir`` (the run's ``--timeline-dir``) holds them, else its
-    JSON's ``message_costs``; without either, ``rpc_overhead_s``. With
+    With ``fitted`` (``fit_costs`` of other runs) each message costs what
+    those runs measured: a held-out prediction. Otherwise it costs what this
+    run measured (in-sample): from its timelines when ``timeline_dir`` (the
+    run's ``--timeline-dir``) holds them, else its JSON's ``message_costs``;
+    without either, ``rpc_overhead_s``. Each row's ``costs`` says which. With
     ``flow_shares`` (``benchmarks/flow_share.py`` results, one per link
     rate) the links are shared as unevenly as measured (``share_sigma_for``),
     and the prediction is the median over ``seeds`` seeded simulations.
@@ -170,6 +221,16 @@ def validate(bench: dict, profile: dict,
     if not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1. Received: {seeds!r}")
     config = bench["config"]
+    if fitted is not None:
+        if _shape(config) != fitted.shape:
+            raise ValueError(f"the message costs were fitted on runs of {fitted.shape}; "
+                             f"the run to predict is of {_shape(config)}")
+        missing = [r["scheduler"] for r in bench["results"]
+                   if r["scheduler"].partition(":")[0] in schedulers_lib.SCHEDULERS
+                   and r["scheduler"] not in fitted.by_scheduler]
+        if missing:
+            raise ValueError(f"the message-cost fit has no runs of {missing} (it has "
+                             f"{sorted(fitted.by_scheduler)})")
     profile = config.get("profile", profile)  # measured in the bench itself
     rows = []
     for r in bench["results"]:
@@ -180,11 +241,16 @@ def validate(bench: dict, profile: dict,
             if timeline_dir else []
         # A suite resumed in another --timeline-dir has no timelines for its
         # earlier cells: those keep the costs their JSON recorded.
-        costs = message_costs.combine([
-            message_costs.measure(d, config["workers"], config["ps"],
-                                  config.get("layout", "dedicated"), config["warmup_steps"])
-            for d in runs]) or r.get("message_costs")
-        costs = costs or {"overhead_s": rpc_overhead_s, "per_byte_s": 0.0, "messages": 0}
+        if fitted is not None:
+            costs, source = fitted.by_scheduler[r["scheduler"]], "held-out"
+        else:
+            costs = message_costs.combine([
+                message_costs.measure(d, config["workers"], config["ps"],
+                                      config.get("layout", "dedicated"),
+                                      config["warmup_steps"])
+                for d in runs]) or r.get("message_costs")
+            source = "in-sample" if costs else "default"
+            costs = costs or {"overhead_s": rpc_overhead_s, "per_byte_s": 0.0, "messages": 0}
         # The options the run used: those its spec gave, and ByteScheduler's
         # tuned ones, which the run records with every effective setting.
         settings = config.get("scheduler_settings", {}).get(r["scheduler"], {})
@@ -211,7 +277,8 @@ def validate(bench: dict, profile: dict,
         rows.append({"scheduler": r["scheduler"], "measured_s": r["step_time_s"],
                      "predicted_s": step, "predicted_range_s": [min(predicted), max(predicted)],
                      "share_sigma": sigma, "error": step / r["step_time_s"] - 1,
-                     "predicted_phase_spread_s": spread, "message_costs": costs})
+                     "predicted_phase_spread_s": spread, "message_costs": costs,
+                     "costs": source})
     return rows
 
 
@@ -235,9 +302,22 @@ def main(argv: list[str] | None = None) -> int:
         # Parsed (and so validated) before any simulation runs.
         parsed = {n: schedulers_lib.parse_scheduler(n) for n in names}
         overhead = args.rpc_overhead_ms / 1e3
+        if args.costs_from and not args.validate:
+            raise ValueError(f"--costs-from is for --validate. Received: --costs-from "
+                             f"{args.costs_from} without --validate")
         if args.validate:
-            with open(args.validate) as f:
-                bench = json.load(f)
+            paths = [p for p in args.validate.split(",") if p]
+            benches = [_load_json(p) for p in paths]
+            fitted, fit_paths = None, []
+            if args.costs_from:
+                fit_paths = [p for p in args.costs_from.split(",") if p]
+                both = {os.path.realpath(p) for p in fit_paths} & \
+                    {os.path.realpath(p) for p in paths}
+                if both:
+                    raise ValueError(f"a run cannot be predicted with costs fitted on "
+                                     f"itself. Received in both --validate and "
+                                     f"--costs-from: {sorted(both)}")
+                fitted = fit_costs([_load_json(p) for p in fit_paths])
             flow_shares = []
             for path in filter(None, (args.flow_share or "").split(",")):
                 with open(path) as f:
@@ -249,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
             columns = [("scheduler", "scheduler", ""), ("measured s", "measured_s", ".4f"),
                        ("predicted s", "predicted_s", ".4f"), ("error", "error", "+.1%"),
                        ("workers apart s", "predicted_phase_spread_s", ".2f")]
-            if isinstance(bench.get("cells"), list):  # a bench suite: every cell
+            if len(benches) == 1 and isinstance(benches[0].get("cells"), list):
+                if fitted is not None:
+                    raise ValueError("--costs-from predicts single bench runs; a suite's "
+                                     f"cells are of many shapes. Received: {paths[0]}")
+                bench = benches[0]  # a bench suite: every cell
                 rows = [{**{k: c["cell"][k] for k in ("model", "workers", "bandwidth_mbit")},
                          **row} for c in bench["cells"] for row in validate(
                              c, profile, overhead, args.timeline_dir and os.path.join(
@@ -258,10 +342,21 @@ def main(argv: list[str] | None = None) -> int:
                 columns = [("model", "model", ""), ("workers", "workers", "d"),
                            ("Mbit/s", "bandwidth_mbit", ".0f")] + columns
                 out = {"validation": rows, "suite": bench["suite"]}
-            else:
-                rows = validate(bench, profile, overhead, args.timeline_dir, flow_shares,
-                                args.seeds)
-                out = {"validation": rows, "bench_config": bench["config"]}
+            elif len(benches) == 1:
+                rows = validate(benches[0], profile, overhead, args.timeline_dir, flow_shares,
+                                args.seeds, fitted)
+                out = {"validation": rows, "bench_config": _without_profile(benches[0]["config"])}
+            else:  # several runs, each predicted alone
+                if args.timeline_dir:
+                    raise ValueError("--timeline-dir is of one run; several --validate "
+                                     f"runs were given: {paths}")
+                rows = [{"run": os.path.basename(path), **row}
+                        for path, bench in zip(paths, benches)
+                        for row in validate(bench, profile, overhead, None, flow_shares,
+                                            args.seeds, fitted)]
+                columns = [("run", "run", "")] + columns
+                out = {"validation": rows, "bench_config": _without_profile(benches[0]["config"])}
+            out["costs_from"] = [os.path.basename(p) for p in fit_paths] or None
             out["flow_share"], out["seeds"] = args.flow_share, args.seeds
             _print_table(rows, columns)
         elif args.sweep:

@@ -391,3 +391,42 @@ def test_validate_with_flow_shares_uses_the_sigma_of_the_nearest_rate_and_connec
         assert low <= u["predicted_s"] <= high and low < high
     with pytest.raises(ValueError, match="seeds must be"):
         simulate_cli.validate(bench, None, flow_shares=[slow], seeds=0)
+
+
+@pytest.mark.timeout(120)
+def test_held_out_validation_charges_the_costs_fitted_on_other_runs(tmp_path, capsys):
+    """`--validate RUNS --costs-from OTHERS`: every message costs what the other runs
+    measured (their median), never what the predicted run measured; a run cannot be in
+    both, and a fit of another cluster shape is refused with both shapes named."""
+    from prophet_tf.bench import simulate_cli
+    bench_dir = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+    fit_path, run_path = bench_dir / "ordered-sums-1-before.json", bench_dir / "ordered-sums-2-after.json"
+    fit, run = json.loads(fit_path.read_text()), json.loads(run_path.read_text())
+    fitted = simulate_cli.fit_costs([fit])
+    held_out = {r["scheduler"]: r for r in simulate_cli.validate(run, None, fitted=fitted)}
+    in_sample = {r["scheduler"]: r for r in simulate_cli.validate(run, None)}
+    measured = {r["scheduler"]: r["message_costs"] for r in run["results"]}
+    for name, row in held_out.items():
+        assert row["costs"] == "held-out" and in_sample[name]["costs"] == "in-sample"
+        assert row["message_costs"] == fitted.by_scheduler[name] != measured[name]
+        assert in_sample[name]["message_costs"] == measured[name]
+    assert set(held_out) == {"fifo", "p3", "bytescheduler", "prophet"}  # tf-mwms: not a PS
+
+    out = tmp_path / "v.json"
+    assert simulate_cli.main(["--validate", f"{run_path},{bench_dir / 'ordered-sums-3-after.json'}",
+                              "--costs-from", str(fit_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["costs_from"] == ["ordered-sums-1-before.json"]
+    assert [r["run"] for r in result["validation"]] == \
+        ["ordered-sums-2-after.json"] * 4 + ["ordered-sums-3-after.json"] * 4
+    assert "profile" not in result["bench_config"]
+    capsys.readouterr()
+
+    assert simulate_cli.main(["--validate", str(run_path), "--costs-from", str(run_path)]) == 2
+    assert "cannot be predicted with costs fitted on itself" in capsys.readouterr().err
+    other_shape = bench_dir / "bench-colocated-w3.json"
+    assert simulate_cli.main(["--validate", str(run_path), "--costs-from", str(other_shape)]) == 2
+    err = capsys.readouterr().err
+    assert "'workers': 3" in err and "'workers': 2" in err, err
+    assert simulate_cli.main(["--costs-from", str(fit_path)]) == 2
+    assert "--costs-from is for --validate" in capsys.readouterr().err

@@ -47,8 +47,11 @@ def imported_modules(path: pathlib.Path):
     tree = ast.parse(source, filename=str(path))
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    lines = source.splitlines()
     for node in ast.walk(tree):
-        text = ast.get_source_segment(source, node) or ""
+        # The statement's first line (ast.get_source_segment on every node re-splits the
+        # whole source each time: seconds per large module).
+        text = lines[node.lineno - 1] if hasattr(node, "lineno") else ""
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, text, alias.name

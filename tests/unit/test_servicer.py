@@ -4,6 +4,7 @@ The only test double is ``Context``, a stand-in for grpc.ServicerContext that
 records the abort code; everything else (Keras, TF, protobuf) is real.
 """
 
+import itertools
 import json
 import os
 import threading
@@ -21,7 +22,7 @@ import pytest  # noqa: E402
 
 import ps_helpers  # noqa: E402
 from prophet_tf import keras_optimizer  # noqa: E402
-from prophet_tf.ps import protocol, sharding  # noqa: E402
+from prophet_tf.ps import aggregation, protocol, sharding  # noqa: E402
 from prophet_tf.ps.protocol import PulledChunk  # noqa: E402
 from prophet_tf.ps.servicer import ParameterServerServicer  # noqa: E402
 from prophet_tf.ps.trace import PSTrace  # noqa: E402
@@ -331,21 +332,79 @@ def with_rows(chunks, rows):
     return chunks
 
 
-def order_sensitive(worker):
-    """Gradients whose float32 sum depends on the order of the additions."""
-    big = {0: np.float32(1e8), 1: np.float32(-1e8), 2: np.float32(1.0)}[worker]
-    return {key: np.full(shape, big, np.float32) for key, (_, shape) in SHAPES.items()}
+# Workers' gradients whose sum depends on the order of the additions: in worker
+# order (big - big) + small = small, but an order that adds small to one big
+# first gives (big + small) - big = 0, as big + small rounds to big (2**30's
+# float32 ulp is 128). 2**30 is a bfloat16 too.
+ORDER_SENSITIVE = (2.0 ** 30, -2.0 ** 30, 1.0)
+
+# Whole pushes in every worker order; then chunk by chunk, each its own request, in
+# two shuffled orders (seeds): each partition sees its own order of the workers.
+ARRIVALS = [*itertools.permutations(range(3)), "shuffled 0", "shuffled 1"]
 
 
-@pytest.mark.parametrize("arrival", [(0, 1, 2), (2, 1, 0), (1, 2, 0), (2, 0, 1)])
-def test_workers_are_summed_in_worker_order_whatever_the_arrival_order(make_servicer, arrival):
-    servicer, values = three_workers(make_servicer)
-    for worker in arrival:
-        assert push(servicer, worker, grad_chunks(order_sensitive(worker), 0)) == 0
-    got, _ = pull(servicer, 1)
-    for key, value in values.items():
-        total = np.float32(1.0)  # (1e8 - 1e8) + 1; 2, 0, 1 would give (1 + 1e8) - 1e8 = 0
-        np.testing.assert_array_equal(got[key], value - total)  # bit for bit
+def _arrive(servicer, arrival, chunks_of):
+    """Pushes every worker's chunks of step 0 in `arrival` order."""
+    if not isinstance(arrival, str):
+        for worker in arrival:
+            assert push(servicer, worker, chunks_of[worker]) == 0
+        return
+    pairs = [(w, c) for w in range(3) for c in chunks_of[w]]
+    for i in np.random.default_rng(int(arrival.split()[1])).permutation(len(pairs)):
+        worker, chunk = pairs[i]
+        assert push(servicer, worker, [chunk]) == 0
+
+
+@pytest.mark.parametrize("case", ["float32", "uneven rows", "bfloat16"])
+def test_workers_are_summed_in_worker_order_whatever_the_arrival_order(make_servicer, case):
+    """Every arrival order, whole pushes or chunk by chunk, applies the same bits: the sum
+    of workers 0, 1, 2 in that order (float32 for bfloat16; weighted for uneven shares)."""
+    dtype = ml_dtypes.bfloat16 if case == "bfloat16" else np.float32
+    rows = [1, 1, 2] if case == "uneven rows" else [None] * 3
+    # Not the scalar in bfloat16: the PS cannot read a 0-d bfloat16 variable yet.
+    shapes = {k: v for k, v in SHAPES.items() if v[1] or case != "bfloat16"}
+    grads = [{key: np.full(shape, g, dtype) for key, (_, shape) in shapes.items()}
+             for g in ORDER_SENSITIVE]
+    weights = aggregation.share_weights(rows) or [1.0] * 3
+    total = np.float32(0)
+    for g, weight in zip(ORDER_SENSITIVE, weights):  # worker order, in float32
+        total = total + np.float32(g) * np.float32(weight)
+    assert total == (1.5 if case == "uneven rows" else 1.0)
+    results = []
+    for arrival in ARRIVALS:
+        servicer = make_servicer(num_workers=3)
+        variables = specs(shapes, np.dtype(dtype).name)
+        partitions = sharding.plan(variables, 1, LIMIT)
+        values = initial(shapes=shapes, dtype=dtype)
+        for worker in range(3):
+            register(servicer, worker, config(keras.optimizers.SGD(1.0)),
+                     values if worker == 0 else None, variables=variables)
+        chunks_of = [grad_chunks(grads[w], 0, partitions) for w in range(3)]
+        if rows[0]:
+            chunks_of = [with_rows(chunks, r) for chunks, r in zip(chunks_of, rows)]
+        _arrive(servicer, arrival, chunks_of)
+        assert len(chunks_of[0]) > 2  # a kernel split over partitions, a bias...
+        got, versions = pull(servicer, 1, partitions, shapes=shapes)
+        assert set(versions.values()) == {1}
+        for key, value in values.items():
+            expected = (value.astype(np.float32) - total).astype(dtype)  # SGD, lr=1
+            np.testing.assert_array_equal(got[key], expected, err_msg=f"{arrival}")
+        results.append({key: got[key].tobytes() for key in got})
+    assert all(r == results[0] for r in results)  # bit for bit, whatever the arrival
+
+
+def test_a_partition_holds_one_chunk_per_worker_until_its_sum_is_complete(make_servicer):
+    """W chunks per partition at most, each a view of its push; none once applied."""
+    servicer, _ = three_workers(make_servicer)
+    for worker, arrived in ((2, 1), (0, 2)):
+        push(servicer, worker, grad_chunks(ints(worker), 0))
+        for part in servicer._parts.values():
+            assert len(part.arrived) == arrived
+            assert all(held[0].nbytes == part.plan.nbytes for held in part.arrived.values())
+    push(servicer, 1, grad_chunks(ints(1), 0))
+    pull(servicer, 1)
+    for part in servicer._parts.values():
+        assert part.arrived == {}
 
 
 def test_a_train_step_s_gradients_are_weighted_by_each_worker_s_rows(make_servicer):

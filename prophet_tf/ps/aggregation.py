@@ -27,6 +27,8 @@ variable dtype as Keras does), and in the gradient dtype for float32/float64
 (integer-valued float32 sums are exact up to 2**24). Each worker's chunk is
 kept until all W have arrived and they are summed in worker order 0..W-1,
 whatever the arrival order: every run and every scheduler give the same bits.
+A kept chunk is a view of its request (no copy): a partition holds at most one
+chunk per worker, and none once its sum is handed over to the apply.
 
 Weights: a chunk of a Keras train step carries the rows of its worker's share
 of the batch (``GradientChunk.batch_rows``). Keras divides each worker's mean

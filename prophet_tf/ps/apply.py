@@ -37,7 +37,8 @@ logger = logging.getLogger("prophet_tf.ps.servicer")  # the PS task's one logger
 
 def read(part) -> np.ndarray:
     """The partition's current value (call under :attr:`Applier.lock`)."""
-    return np.asarray(part.variable.value.read_value())
+    # .numpy() first: np.asarray of a 0-d bfloat16 tensor raises.
+    return np.asarray(part.variable.value.read_value().numpy())
 
 
 class Applier:
@@ -139,7 +140,7 @@ class Applier:
         if part.apply_fn is None:
             part.apply_fn = self._trace(part)
         return np.asarray(part.apply_fn(tf.constant(total.reshape(part.shape)),
-                                        tf.constant(optimizer_iteration, tf.int64)))
+                                        tf.constant(optimizer_iteration, tf.int64)).numpy())
 
     def _trace(self, part):
         """The optimizer update of one partition as a tf.function.

@@ -361,8 +361,7 @@ def test_workers_are_summed_in_worker_order_whatever_the_arrival_order(make_serv
     of workers 0, 1, 2 in that order (float32 for bfloat16; weighted for uneven shares)."""
     dtype = ml_dtypes.bfloat16 if case == "bfloat16" else np.float32
     rows = [1, 1, 2] if case == "uneven rows" else [None] * 3
-    # Not the scalar in bfloat16: the PS cannot read a 0-d bfloat16 variable yet.
-    shapes = {k: v for k, v in SHAPES.items() if v[1] or case != "bfloat16"}
+    shapes = SHAPES  # the scalar too, in bfloat16 as well
     grads = [{key: np.full(shape, g, dtype) for key, (_, shape) in shapes.items()}
              for g in ORDER_SENSITIVE]
     weights = aggregation.share_weights(rows) or [1.0] * 3

@@ -16,14 +16,20 @@ STAMP := $(VENV)/.prophet_tf-installed
 demo: build
 	$(PY) -m prophet_tf launch --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
+# One pytest process per core (at most 4): a test module's tests stay in one
+# process, so the clusters they share are started once.
+TEST_PROCESSES ?= auto
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --maxprocesses 4 \
+	--dist loadfile --durations=15
+
 test: build
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(PYTEST)
 
 # The long variants (marked slow) alone: the full demo's accuracy, the
 # 10,000-request fuzz, the 200-step load test, the sanitizer runs. CI runs
 # them after `make test`.
 test-long: build
-	$(PY) -m pytest -q -p no:cacheprovider --runslow -m slow --durations=15
+	$(PYTEST) --runslow -m slow
 
 install: $(STAMP)
 

@@ -99,7 +99,7 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
                 "the checkpoints the chief saves, with prophet_tf.evaluate_checkpoints("
                 f"directory, evaluate_fn). Received: task type={config.task_type!r}")
         device = devices.resolve(device)  # Before anything starts.
-        from prophet_tf.bench import shaping  # PROPHET_TF_SHAPE_MBIT: the bench's fallback
+        from prophet_tf.ps import shaping  # PROPHET_TF_SHAPE_MBIT: the bench's fallback
         from prophet_tf.engine import Engine  # Imports grpc; keep it out of module import.
         engine = Engine(config, scheduler=scheduler, scheduler_options=scheduler_options,
                         rpc_timeout_s=rpc_timeout_s, timeline=timeline,

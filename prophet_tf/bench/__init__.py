@@ -7,12 +7,11 @@
 - :mod:`prophet_tf.bench.ideal`: the ideal step time of a run.
 - :mod:`prophet_tf.bench.simulate`: the simulation, driving the engine's dispatch and schedulers;
   :mod:`prophet_tf.bench.simulate_cli`: ``prophet-tf simulate``.
-- :mod:`prophet_tf.bench.shaping`: the transport's token bucket (fallback without namespaces).
 - :mod:`prophet_tf.bench.emulation`: emulated compute time that leaves the CPU free (``delay``);
   :mod:`prophet_tf.bench.emulated`: models whose compute is emulated from a profile.
 
-The training path imports only :mod:`~prophet_tf.bench.shaping`, from
-``prophet_tf.strategy``, which hands its buckets to the engine; nothing under
-``prophet_tf.ps`` or ``prophet_tf.engine`` imports this package. TensorFlow is
+Nothing outside ``prophet_tf.bench`` and ``prophet_tf.tools`` imports this
+package (the bench's fallback shaping inside the transport is
+:mod:`prophet_tf.ps.shaping`). TensorFlow is
 imported only by the worker, the profiler and the emulated models.
 """

@@ -51,7 +51,7 @@ byte, measured from the pushes to the PS on the worker's own host), which
 
 Without network namespaces (not root, no iproute2), the workers' transport
 shapes itself (``PROPHET_TF_SHAPE_MBIT``, a token bucket per PS connection
-and direction, see ``prophet_tf.bench.shaping``) on loopback: the output says
+and direction, see ``prophet_tf.ps.shaping``) on loopback: the output says
 so; PS links are then not shared between workers, and tf-mwms is not shaped.
 """
 from __future__ import annotations
@@ -704,9 +704,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run_cell(argv: list[str], out) -> dict:
+    """One cell of a suite: `prophet-tf bench ARGV`, its table printed to ``out``."""
+    bench = run_bench(_parse(argv), out)
+    print_table(bench, out)
+    return bench
+
+
 def _main_suite(args) -> int:
     try:
-        result = suite_lib.run_suite(args.suite, args.json, args.timeline_dir)
+        result = suite_lib.run_suite(args.suite, args.json, _run_cell, DEFAULTS["host_queue"],
+                                     args.timeline_dir)
     except (ValueError, RuntimeError, FileNotFoundError, netns.NetnsUnavailable) as e:
         print(f"prophet-tf bench: suite {args.suite}: {e}", file=sys.stderr)
         if args.json:

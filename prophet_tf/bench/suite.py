@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from typing import Callable
 
 __all__ = ["Suite", "SUITES", "TARGETS", "cells", "cell_directory", "run_suite", "summary",
            "targets"]
@@ -156,13 +157,16 @@ def _write(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_suite(name: str, json_path: str | None, timeline_dir: str | None = None,
-              out=sys.stdout) -> dict:
-    """Runs every cell of suite ``name`` not already in ``json_path``; returns the JSON dict."""
-    from prophet_tf.bench import runner
+def run_suite(name: str, json_path: str | None, run_cell: Callable, default_host_queue: str,
+              timeline_dir: str | None = None, out=sys.stdout) -> dict:
+    """Runs every cell of suite ``name`` not already in ``json_path``; returns the JSON dict.
 
+    ``run_cell(argv, out)`` runs one `prophet-tf bench` (``argv``: its arguments) and
+    returns its result (the runner's, handed in so this module does not import it);
+    ``default_host_queue``: the bench's, for cells recorded before they named theirs.
+    """
     suite = SUITES[name]
-    done = _previous(json_path, suite, runner.DEFAULTS["host_queue"])
+    done = _previous(json_path, suite, default_host_queue)
     have = {_key(c["cell"]) for c in done}
     result = {"suite": dataclasses.asdict(suite), "cells": done, "elapsed_s": 0.0,
               "complete": False}
@@ -177,10 +181,8 @@ def run_suite(name: str, json_path: str | None, timeline_dir: str | None = None,
               f"{cell['workers']} workers, {cell['bandwidth_mbit']:g} Mbit/s, compute "
               f"{cell['compute_ms']:g} ms, time scale {cell['time_scale']:g}",
               file=out, flush=True)
-        args = runner._parse(_argv(suite, cell, timeline_dir))
         started = time.monotonic()
-        bench = runner.run_bench(args, out)
-        runner.print_table(bench, out)
+        bench = run_cell(_argv(suite, cell, timeline_dir), out)
         # Each cell's own wall time: elapsed_s counts only this invocation,
         # and a resumed suite's cells ran in several.
         result["cells"].append({"cell": cell, **bench, "wall_s": time.monotonic() - started})

@@ -62,7 +62,7 @@ class Engine:
       timeline: where to write the Chrome-trace timeline (see
         prophet_tf.engine.timeline); None reads PROPHET_TF_TIMELINE; "" disables.
       make_shapers: called once per PS link for the link shaping its client
-        applies (see prophet_tf.bench.shaping.from_env); None: no shaping.
+        applies (see prophet_tf.ps.shaping.from_env); None: no shaping.
       answers_first: hold pushes to other hosts while a PS on this host owes
         them answers (prophet_tf.engine.answers_first); None reads
         PROPHET_TF_ANSWERS_FIRST ("0": off), else on.

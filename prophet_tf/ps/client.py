@@ -68,7 +68,7 @@ class PSClient:
         self.max_message_bytes = max_message_bytes
         self._security = security_lib.client_security() if security is None else security
         # The bench's fallback link shaping, (push, pull) token buckets or None;
-        # made by the caller (prophet_tf.bench.shaping.from_env).
+        # made by the caller (prophet_tf.ps.shaping.from_env).
         self._shapers = shapers
         # Two TCP connections: pushes on one, everything else (pulls above all)
         # on the other. A push's answer, and the HTTP/2 window updates that let

@@ -1,6 +1,6 @@
 """Drawing for `prophet-tf plot`: a timeline's Gantt chart per worker, a bench result's bars.
 
-The data come parsed and checked by prophet_tf.tools.plot; matplotlib is
+The data come parsed and checked by prophet_tf.tools.plot_data; matplotlib is
 imported here only, when a drawing is made.
 """
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import textwrap
 
-from prophet_tf.tools.plot import (PlotError, Span, WorkerTimeline, parse_bench, parse_suite,
-                                   plan_for_iteration, select_steps)
+from prophet_tf.tools.plot_data import (PlotError, Span, WorkerTimeline, parse_bench,
+                                        parse_suite, plan_for_iteration, select_steps)
 
 __all__ = ["plot_timelines", "plot_bench", "plot_suite"]
 

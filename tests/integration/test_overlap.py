@@ -15,7 +15,7 @@ decide them: the first layer's gradient is ready 60 ms after the others and
 only once the iteration's first push has begun (a layer whose backward waits
 for both: mlp_worker.py), so in a worker that overlaps, (a) holds whatever
 the load, and one that does not fails it after its wait runs out. The
-workers' transport is paced at 200 Mbit/s (prophet_tf.bench.shaping), so the
+workers' transport is paced at 200 Mbit/s (prophet_tf.ps.shaping), so the
 later layers' 3.7 MB take about 150 ms each way: layer 0's parameters are
 back well before the later layers' last ones.
 """
@@ -26,7 +26,7 @@ import sys
 import numpy as np
 import pytest
 
-from prophet_tf.bench import shaping
+from prophet_tf.ps import shaping
 from prophet_tf.engine import timeline
 from prophet_tf.engine.timeline import StampKind
 from prophet_tf.tools.launch import launch

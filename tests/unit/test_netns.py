@@ -201,7 +201,7 @@ def test_transport_shaping_fallback_paces_pushes(monkeypatch):
     engine shaping.from_env, whose buckets pace each PS client's pushes."""
     import numpy as np
 
-    from prophet_tf.bench import shaping
+    from prophet_tf.ps import shaping
     from prophet_tf.ps.client import Chunk, PSClient
     monkeypatch.setenv("PROPHET_TF_SHAPE_MBIT", "80")  # 10 MB/s
     client = PSClient("127.0.0.1:1", worker_id=0, num_workers=1,  # nothing listens: not needed

@@ -6,7 +6,8 @@ import statistics
 
 import pytest
 
-from prophet_tf.bench import ideal, shaping, simulate
+from prophet_tf.bench import ideal, simulate
+from prophet_tf.ps import shaping
 from prophet_tf.engine import dispatch, schedulers
 
 NAMES = list(schedulers.SCHEDULERS)

@@ -1,5 +1,8 @@
 """Bandwidth shaping inside the transport: the bench's fallback without namespaces.
 
+Part of the transport (the worker's PS clients apply it), so the training path
+never imports the bench.
+
 With ``PROPHET_TF_SHAPE_MBIT=X`` set, every :class:`prophet_tf.ps.client.PSClient`
 paces its pushes and its pulled bytes through two token buckets of X Mbit/s
 (one per direction, per PS connection): a push waits until its bytes are

@@ -316,6 +316,9 @@ def scenario_train(strategy, args, out_dir) -> dict:
         model = build_model(args.model, hidden)
         compile_model(model, args.optimizer)
     info = train(model, args, global_batch)
+    if args.rounds > 1:  # the first fit's weights too: exact after one fit, as with rounds=1
+        np.savez(os.path.join(out_dir, f"worker{strategy.worker_index}.round1.npz"),
+                 **{f"t{j}": v.numpy() for j, v in enumerate(model.trainable_variables)})
     for _ in range(1, args.rounds):
         # fit -> evaluate -> predict -> fit: Keras drops and makes input
         # iterators at each boundary (a worker once crashed there).

@@ -75,7 +75,7 @@ SUITES = {
                    schedulers="fifo,p3,bytescheduler,prophet,tf-mwms"),
     "smoke": Suite("smoke", models=("cnn",), bandwidths_mbit=(400.0,), workers=(2,),
                    compute_ms={"cnn": 40.0}, transport_mbit=200.0, steps=10, reps=1,
-                   per_worker_batch=32, schedulers="fifo,prophet"),
+                   per_worker_batch=32, schedulers="fifo,prophet,tf-mwms"),
 }
 
 

@@ -12,8 +12,10 @@ import os
 
 import tensorflow as tf
 
+from prophet_tf import environment
+
 #: Read when `Strategy(device=None)`; unset or empty: `default_device()`.
-DEVICE_ENV = "PROPHET_TF_DEVICE"
+DEVICE_ENV = environment.DEVICE
 
 __all__ = ["DEVICE_ENV", "default_device", "resolve", "host_of", "canonical"]
 

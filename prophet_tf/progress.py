@@ -25,13 +25,15 @@ import threading
 import time
 from typing import Callable
 
+from prophet_tf import environment
+
 __all__ = ["STATUS_FILE_ENV", "MIN_INTERVAL_S", "StatusWriter", "writer", "report",
            "read_status", "keras_callback"]
 
 logger = logging.getLogger(__name__)
 
 #: Environment variable naming this worker's status file.
-STATUS_FILE_ENV = "PROPHET_TF_STATUS_FILE"
+STATUS_FILE_ENV = environment.STATUS_FILE
 #: Shortest time between two writes of a status file.
 MIN_INTERVAL_S = 1.0
 

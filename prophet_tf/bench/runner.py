@@ -67,7 +67,7 @@ import sys
 import tempfile
 import time
 
-from prophet_tf import cluster as cluster_lib
+from prophet_tf import cluster as cluster_lib, environment
 from prophet_tf.bench import ideal as ideal_lib
 from prophet_tf.bench import link_load, message_costs, models, netns, suite as suite_lib
 from prophet_tf.bench import worker as worker_lib
@@ -152,7 +152,7 @@ def _env(extra: dict | None = None) -> dict:
                TF_NUM_INTRAOP_THREADS=str(models.INTRA_OP_THREADS),
                TF_NUM_INTEROP_THREADS=str(models.INTER_OP_THREADS))
     env.pop("TF_CONFIG", None)
-    env.pop("PROPHET_TF_SCHEDULER", None)
+    env.pop(environment.SCHEDULER, None)
     env.update(extra or {})
     return env
 
@@ -200,7 +200,7 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
                 log = open(os.path.join(workdir, f"{tag}-ps{i}.log"), "wb")
                 logs.append(log)
                 env = _env({"TF_NUM_INTEROP_THREADS": "1",
-                            "PROPHET_TF_TOKEN": shape_env["PROPHET_TF_TOKEN"]})
+                            environment.TOKEN: shape_env[environment.TOKEN]})
                 procs.append(subprocess.Popen(cluster.command(cluster.ps_host(i), argv), stdout=log,
                                               stderr=subprocess.STDOUT, env=env))
                 ps_addresses.append((port_file, i))
@@ -229,12 +229,12 @@ def _run_once(cluster: _Cluster, scheduler: str, args, workdir: str, shape_env: 
             extra = {"TF_CONFIG": json.dumps({"cluster": spec,
                                               "task": {"type": "worker", "index": j}})}
             if framework == "prophet":
-                extra["PROPHET_TF_SCHEDULER"] = scheduler.partition(":")[0] + (
+                extra[environment.SCHEDULER] = scheduler.partition(":")[0] + (
                     ":" + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
                 extra.update(shape_env)
                 # Kept where asked, else in the work directory: the run's
                 # message costs are measured from them (message_costs.py).
-                extra["PROPHET_TF_TIMELINE"] = timelines
+                extra[environment.TIMELINE] = timelines
             argv = [sys.executable, "-m", "prophet_tf.bench.worker", "--framework", framework,
                     "--model", args.model, "--steps", str(args.steps), "--global-batch",
                     str(args.global_batch), "--out", out]
@@ -384,7 +384,7 @@ def run_bench(args, out=sys.stdout) -> dict:
     shaping = "netns"
     # The PS tasks listen on namespace addresses, not loopback: they need a
     # shared token (prophet_tf.ps.security); a fresh one per invocation.
-    shape_env: dict = {"PROPHET_TF_TOKEN": secrets.token_hex(16)}
+    shape_env: dict = {environment.TOKEN: secrets.token_hex(16)}
     ok, why = netns.available(need_latency=args.latency_ms > 0)
     if ok and args.host_queue == "fair":
         fair_ok, fair_why = netns.available(need_fair_queue=True)
@@ -395,7 +395,7 @@ def run_bench(args, out=sys.stdout) -> dict:
         netns.cleanup_leftovers()  # of runs that were killed before their teardown
     else:
         shaping = "transport"
-        shape_env["PROPHET_TF_SHAPE_MBIT"] = str(link_mbit)
+        shape_env[environment.SHAPE_MBIT] = str(link_mbit)
         print(f"prophet-tf bench: network namespaces unavailable ({why}); shaping inside the "
               f"transport instead (token bucket per worker connection, "
               f"PROPHET_TF_SHAPE_MBIT={link_mbit}); PS links are not shared and "

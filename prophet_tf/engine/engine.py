@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 
 from prophet_tf import cluster as cluster_lib
-from prophet_tf import codec, keras_optimizer, progress
+from prophet_tf import codec, environment, keras_optimizer, progress
 from prophet_tf.engine import liveness, schedulers
 from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.engine import timeline as timeline_lib
@@ -44,9 +44,9 @@ from prophet_tf.ps.client import Chunk, PSClient, variable_specs
 
 logger = logging.getLogger(__name__)
 
-SCHEDULER_ENV = "PROPHET_TF_SCHEDULER"
+SCHEDULER_ENV = environment.SCHEDULER
 #: "0" turns answers-first off (prophet_tf.engine.answers_first); for A/B runs.
-ANSWERS_FIRST_ENV = "PROPHET_TF_ANSWERS_FIRST"
+ANSWERS_FIRST_ENV = environment.ANSWERS_FIRST
 
 
 class Engine:

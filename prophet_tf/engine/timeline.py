@@ -21,7 +21,9 @@ import json
 import os
 import threading
 
-TIMELINE_ENV = "PROPHET_TF_TIMELINE"
+from prophet_tf import environment
+
+TIMELINE_ENV = environment.TIMELINE
 
 # Track ids within a worker's process.
 _FORWARD, _BACKWARD, _PLAN = 1, 2, 3

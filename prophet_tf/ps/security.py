@@ -41,6 +41,8 @@ from typing import Mapping, Sequence
 
 import grpc
 
+from prophet_tf import environment
+
 __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "TLS_CA_ENV", "TLS_SERVER_NAME_ENV", "TLS_CERT_ENV",
            "TLS_KEY_ENV", "METADATA_KEY", "SecurityError", "Token", "ClientTLS", "ServerTLS",
            "ClientSecurity", "load_token", "load_client_tls", "load_server_tls",
@@ -48,12 +50,12 @@ __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "TLS_CA_ENV", "TLS_SERVER_NAME_ENV", "
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "PROPHET_TF_TOKEN"
-TOKEN_FILE_ENV = "PROPHET_TF_TOKEN_FILE"
-TLS_CA_ENV = "PROPHET_TF_TLS_CA"
-TLS_SERVER_NAME_ENV = "PROPHET_TF_TLS_SERVER_NAME"
-TLS_CERT_ENV = "PROPHET_TF_TLS_CERT"
-TLS_KEY_ENV = "PROPHET_TF_TLS_KEY"
+TOKEN_ENV = environment.TOKEN
+TOKEN_FILE_ENV = environment.TOKEN_FILE
+TLS_CA_ENV = environment.TLS_CA
+TLS_SERVER_NAME_ENV = environment.TLS_SERVER_NAME
+TLS_CERT_ENV = environment.TLS_CERT
+TLS_KEY_ENV = environment.TLS_KEY
 METADATA_KEY = "authorization"
 _SCHEME = "Bearer "
 _MAX_FILE_BYTES = 1 << 20  # a token, a certificate chain or a key is far smaller

@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from prophet_tf import codec
+from prophet_tf import environment
 from prophet_tf.ps import protocol, security, sharding
 from prophet_tf.ps.protocol import MAX_MESSAGE_BYTES, SERVICE_NAME, server_options
 from prophet_tf.ps.trace import PSTrace
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs a PS task until SIGTERM/SIGINT; returns the exit code."""
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
-        level=os.environ.get("PROPHET_TF_LOG_LEVEL", "INFO").upper(),
+        level=os.environ.get(environment.LOG_LEVEL, "INFO").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         num_workers, ps_index, num_ps, host, port = _task_from_args(args)

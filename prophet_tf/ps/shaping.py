@@ -18,9 +18,11 @@ import os
 import threading
 import time
 
+from prophet_tf import environment
+
 __all__ = ["SHAPE_ENV", "TokenBucket", "from_env"]
 
-SHAPE_ENV = "PROPHET_TF_SHAPE_MBIT"
+SHAPE_ENV = environment.SHAPE_MBIT
 
 
 class TokenBucket:

@@ -42,13 +42,13 @@ import threading
 import time
 
 from prophet_tf import cluster as cluster_lib
-from prophet_tf import progress
+from prophet_tf import environment, progress
 from prophet_tf.tools import board as board_lib
 
 logger = logging.getLogger(__name__)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-LOG_LEVEL_ENV = "PROPHET_TF_LOG_LEVEL"
+LOG_LEVEL_ENV = environment.LOG_LEVEL
 # TensorFlow's C++ log level; the launcher gives tasks 2 (warnings and errors
 # hidden) unless the caller set it.
 TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
@@ -375,7 +375,7 @@ class _Cluster:
                                                    "task": {"type": "worker", "index": i}})
                     env[progress.STATUS_FILE_ENV] = os.path.join(tmp, f"worker-{i}.status.json")
                     if self.scheduler:
-                        env["PROPHET_TF_SCHEDULER"] = self.scheduler
+                        env[environment.SCHEDULER] = self.scheduler
                     if self.devices is not None:
                         env[CUDA_DEVICES_ENV] = self.devices[i]
                     worker_tasks.append(Task(f"worker {i}", list(self.command), env, self.out))

@@ -255,6 +255,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             and whole_data.loss_divides_by_rows(model)) else None
         if kind == "train_step" and loss_scaling.is_loss_scale_optimizer(model.optimizer):
             self._install_loss_scaling(model.optimizer)
+        if kind == "train_step" and not _keras_compat.is_tf_keras_optimizer(model.optimizer):
+            keras_optimizer.clip_on_the_ps(model.optimizer)  # The PS clips the sum.
         run = lambda: super(PSExtended, self)._call_for_each_replica(fn, args, kwargs)  # noqa: E731
         if self.cluster.num_workers == 1:
             return run()
@@ -310,6 +312,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                 "through model.fit/train_on_batch, which decide each step with all workers; "
                 f"its own apply cannot. Received: {type(outer).__name__} {outer.name!r} "
                 f"applied directly, updating {var.name!r}")
+        if not self._trained_this_trace:
+            keras_optimizer.check_worker_clipping(_optimizer_of(fn))
         position = len(self._trained_this_trace)
         if position >= len(self._raw_grads):
             raise RuntimeError(f"More updates than gradients: {var.name!r} has no gradient "

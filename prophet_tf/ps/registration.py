@@ -205,7 +205,7 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
         optimizer, no_decay = keras_optimizer.rebuild(config)
         keras_optimizer.check_partitioning(
             type(optimizer).__name__, [specs[p.key] for p in partitions if p.partition == 1],
-            limit)
+            limit, config)
     except ValueError as e:
         raise invalid(str(e)) from None
     model = Model(specs, keras_optimizer.comparable(config), optimizer, partitions, limit,

@@ -9,11 +9,11 @@ A cluster is started once per configuration and shared by the tests that look
 at it (clusters are the expensive part: each task imports TensorFlow):
 
   sgd       2 workers, 1 PS, MLP, numpy arrays
-  momentum  2 workers, 1 PS, MLP, tf.data.Dataset
+  momentum  2 workers, 1 PS, MLP, tf.data.Dataset, clipnorm
   adam      2 workers, 2 PS, CNN, keras.utils.PyDataset (variables on both PS tasks)
-  schedule  2 workers, 2 PS, MLP, numpy, SGD with ExponentialDecay
+  schedule  2 workers, 2 PS, MLP, numpy, SGD with ExponentialDecay, clipvalue
   bn        2 workers, 1 PS, MLP with BatchNormalization, 3 epochs
-  misuse    1 worker, 1 PS: model outside scope() (2 ways), jit_compile, clipnorm,
+  misuse    1 worker, 1 PS: model outside scope() (2 ways), jit_compile, global_clipnorm,
             run_eagerly (in this order, in one worker process)
 
 plus a hand-made cluster (one PS from conftest, two worker subprocesses) whose
@@ -35,9 +35,12 @@ WATCHDOG = 90.0  # a worker prints its stacks and exits after this long
 
 CONFIGS = {
     "sgd": dict(workers=2, ps=1, optimizer="sgd", model="mlp", data="numpy"),
-    "momentum": dict(workers=2, ps=1, optimizer="momentum", model="mlp", data="dataset"),
+    # Clipping rides on two of these: the PS clips the summed gradient.
+    "momentum": dict(workers=2, ps=1, optimizer="momentum+clipnorm", model="mlp",
+                     data="dataset"),
     "adam": dict(workers=2, ps=2, optimizer="adam", model="cnn", data="pydataset"),
-    "schedule": dict(workers=2, ps=2, optimizer="schedule", model="mlp", data="numpy"),
+    "schedule": dict(workers=2, ps=2, optimizer="schedule+clipvalue", model="mlp",
+                     data="numpy"),
     "bn": dict(workers=2, ps=1, optimizer="adam", model="bn", data="numpy", epochs=3, steps=4),
     "lr_callback": dict(workers=2, ps=1, optimizer="momentum", model="mlp", data="numpy",
                         epochs=3, steps=3, lr_callback=True),
@@ -74,6 +77,10 @@ def test_weights_equal_single_process_training(runs, name):
         np.testing.assert_array_equal(a, b)  # Both pulled the same bytes.
     info = run.info(0)
     assert info["steps_per_epoch"] == [STEPS]
+    if "+" in run.config["optimizer"]:  # The clipping changed the result: it clipped.
+        unclipped = reference({**run.config, "optimizer": run.config["optimizer"].split("+")[0]})
+        assert any(not np.allclose(e, u, rtol=1e-4)
+                   for e, u in zip(expected, unclipped["trainable"]))
 
 
 @pytest.mark.timeout(2 * CLUSTER_TIMEOUT + 60)
@@ -163,10 +170,10 @@ def test_jit_compile_is_rejected(runs):
 
 
 @pytest.mark.timeout(CLUSTER_TIMEOUT + 60)
-def test_clipnorm_is_rejected(runs):
-    result = misuse_case(runs("misuse"), "clipnorm")
+def test_global_clipnorm_is_rejected(runs):
+    result = misuse_case(runs("misuse"), "global_clipnorm")
     assert result["raised"], result
-    assert "clipnorm" in result["message"], result["message"]
+    assert "global_clipnorm" in result["message"], result["message"]
 
 
 @pytest.mark.timeout(CLUSTER_TIMEOUT + 60)

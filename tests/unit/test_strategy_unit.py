@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from prophet_tf import keras_optimizer
 from prophet_tf import strategy as strategy_lib
 from prophet_tf.strategy import Strategy, split_batches
 
@@ -166,7 +167,7 @@ def test_non_positive_rpc_timeout_is_rejected():
 
 def test_unsupported_optimizer_options_are_named():
     import keras
-    for option, value in [("clipnorm", 1.0), ("clipvalue", 0.5), ("global_clipnorm", 1.0)]:
+    for option, value in [("global_clipnorm", 1.0)]:
         with pytest.raises(ValueError, match=option):
             strategy_lib.optimizer_config(keras.optimizers.SGD(0.1, **{option: value}), [])
 
@@ -354,3 +355,16 @@ def test_a_loss_divided_by_its_own_sample_weights_is_refused():
     with pytest.raises(ValueError, match="reduction='mean_with_sample_weight'"):
         whole_data.loss_divides_by_rows(
             _compiled(keras, keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")))
+
+
+def test_a_worker_optimizer_leaves_clipping_to_the_ps():
+    """model.fit makes the worker push unclipped gradients; a custom loop's is refused."""
+    import keras
+    optimizer = keras.optimizers.SGD(0.1, clipvalue=0.5)
+    with pytest.raises(ValueError, match=r"clipvalue.*0\.5|already clipped"):
+        keras_optimizer.check_worker_clipping(optimizer)
+    keras_optimizer.clip_on_the_ps(optimizer)
+    keras_optimizer.check_worker_clipping(optimizer)
+    grads = [tf.constant([3.0, -4.0])]
+    assert optimizer._clip_gradients(grads) is grads
+    keras_optimizer.check_worker_clipping(keras.optimizers.SGD(0.1))  # Nothing to clip.

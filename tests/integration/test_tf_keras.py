@@ -9,7 +9,7 @@ the same model/data/optimizer code.
   sgd          2 workers, 1 PS, MLP, numpy arrays        tf.keras, TF_USE_LEGACY_KERAS=1
   momentum     2 workers, 1 PS, MLP, tf.data.Dataset     `import tf_keras`, no TF_USE_LEGACY_KERAS
   adam         2 workers, 2 PS, CNN, tf_keras Sequence   tf.keras, TF_USE_LEGACY_KERAS=1
-  schedule     2 workers, 2 PS, MLP, SGD + ExponentialDecay
+  schedule     2 workers, 2 PS, MLP, SGD + ExponentialDecay + clipvalue (clipped on the PS)
   bn           2 workers, 1 PS, MLP with BatchNormalization, 3 epochs
   lr_callback  2 workers, 1 PS, momentum, LearningRateScheduler
   misuse       1 worker, 1 PS: each unsupported option in turn, then AdamW with
@@ -73,6 +73,10 @@ def test_weights_equal_single_process_training(runs, name):
         np.testing.assert_array_equal(a, b)  # Both pulled the same bytes.
     # The PS ran a Keras 3 optimizer even though the workers use tf_keras.
     assert f"optimizer {'Adam' if name == 'adam' else 'SGD'}" in run.log, run.describe()
+    if "+" in run.config["optimizer"]:  # The clipping changed the result: it clipped.
+        unclipped = reference({**run.config, "optimizer": run.config["optimizer"].split("+")[0]})
+        assert any(not np.allclose(e, u, rtol=1e-4)
+                   for e, u in zip(expected, unclipped["trainable"]))
 
 
 @pytest.mark.timeout(CLUSTER_TIMEOUT + 60)

@@ -30,7 +30,9 @@ single-process Keras clips the global batch's gradient: the worker's optimizer
 does not clip (:func:`clip_on_the_ps`) and the PS's rebuilt optimizer clips
 inside its ``optimizer.apply`` of each partition. ``clipvalue`` is element-wise,
 so exact on any partitioning; ``clipnorm`` takes one variable's norm, so it is
-exact while no variable is split into row ranges (:func:`check_partitioning`).
+exact while no variable is split into row ranges: the workers keep variables up
+to ``max_partition_bytes`` whole (:func:`needs_whole_variables`) and the PS
+refuses a split one (:func:`check_partitioning`).
 
 Options refused (:data:`REFUSED_OPTIONS`): ``global_clipnorm`` needs one norm
 over every variable's summed gradient before any partition is applied, which
@@ -53,7 +55,7 @@ __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARI
            "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "config_json", "parse_config", "comparable",
            "check_optimizer", "check_options", "check_partitioning", "rebuild", "loss_scaling",
            "CLIPPING_OPTIONS", "clips", "clip_on_the_ps", "clipped_on_the_ps",
-           "check_worker_clipping"]
+           "check_worker_clipping", "needs_whole_variables"]
 
 #: Optional top-level key of the optimizer JSON: the variable keys the worker's
 #: optimizer exempts from weight decay (``exclude_from_weight_decay`` is not
@@ -122,6 +124,15 @@ def check_options(config: dict) -> None:
             raise ValueError(f"prophet_tf cannot apply the optimizer option {option}: "
                              f"{reason}. Remove it from the optimizer. "
                              f"Received: {option}={value!r}")
+
+
+def needs_whole_variables(config: dict) -> bool:
+    """Whether a parsed config's update reads each variable whole: a
+    :data:`WHOLE_VARIABLE` optimizer, or ``clipnorm`` (one variable's norm).
+    The workers then split only variables larger than ``max_partition_bytes``
+    instead of spreading every large one over the PS tasks."""
+    options = config.get("config", config)
+    return config.get("class_name") in WHOLE_VARIABLE or bool(options.get("clipnorm"))
 
 
 def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,

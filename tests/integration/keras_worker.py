@@ -438,7 +438,8 @@ def main(argv=None) -> int:
                         help="which Keras the worker builds its model with")
     parser.add_argument("--scenario", choices=["train", "misuse"], default="train")
     parser.add_argument("--optimizer", choices=["sgd", "momentum", "adam", "schedule", "adamw",
-                                                "momentum+clipnorm", "schedule+clipvalue"],
+                                                "momentum+clipnorm", "schedule+clipvalue",
+                                                "adam+clipnorm"],
                         default="sgd")
     parser.add_argument("--model", choices=["mlp", "bn", "cnn"], default="mlp")
     parser.add_argument("--data", choices=["numpy", "dataset", "pydataset", "sequence"],

@@ -10,7 +10,8 @@ at it (clusters are the expensive part: each task imports TensorFlow):
 
   sgd       2 workers, 1 PS, MLP, numpy arrays
   momentum  2 workers, 1 PS, MLP, tf.data.Dataset, clipnorm
-  adam      2 workers, 2 PS, CNN, keras.utils.PyDataset (variables on both PS tasks)
+  adam      2 workers, 2 PS, CNN, keras.utils.PyDataset (variables on both PS tasks),
+            clipnorm (each variable whole on one PS task)
   schedule  2 workers, 2 PS, MLP, numpy, SGD with ExponentialDecay, clipvalue
   bn        2 workers, 1 PS, MLP with BatchNormalization, 3 epochs
   misuse    1 worker, 1 PS: model outside scope() (2 ways), jit_compile, global_clipnorm,
@@ -38,7 +39,7 @@ CONFIGS = {
     # Clipping rides on two of these: the PS clips the summed gradient.
     "momentum": dict(workers=2, ps=1, optimizer="momentum+clipnorm", model="mlp",
                      data="dataset"),
-    "adam": dict(workers=2, ps=2, optimizer="adam", model="cnn", data="pydataset"),
+    "adam": dict(workers=2, ps=2, optimizer="adam+clipnorm", model="cnn", data="pydataset"),
     "schedule": dict(workers=2, ps=2, optimizer="schedule+clipvalue", model="mlp",
                      data="numpy"),
     "bn": dict(workers=2, ps=1, optimizer="adam", model="bn", data="numpy", epochs=3, steps=4),

@@ -404,3 +404,17 @@ def test_one_worker_s_forward_all_reduce_is_its_own_sum():
         return strategy.run(replica, args=(x,))
 
     np.testing.assert_array_equal(step(tf.constant([1.0, 2.0])), [1.0, 2.0])
+
+
+def test_clipnorm_keeps_variables_whole_as_whole_variable_optimizers_do():
+    """The workers then split only variables over max_partition_bytes (engine.start)."""
+    import json
+
+    import keras
+    parse = lambda o: keras_optimizer.parse_config(keras_optimizer.config_json(o))  # noqa: E731
+    assert keras_optimizer.needs_whole_variables(parse(keras.optimizers.SGD(0.1, clipnorm=1.0)))
+    assert keras_optimizer.needs_whole_variables(parse(keras.optimizers.Lamb()))
+    assert not keras_optimizer.needs_whole_variables(
+        parse(keras.optimizers.SGD(0.1, clipvalue=1.0)))
+    assert json.dumps(parse(keras.optimizers.Adam()))  # Plain: spread over the PS tasks.
+    assert not keras_optimizer.needs_whole_variables(parse(keras.optimizers.Adam()))

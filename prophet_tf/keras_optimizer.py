@@ -34,12 +34,14 @@ exact while no variable is split into row ranges: the workers keep variables up
 to ``max_partition_bytes`` whole (:func:`needs_whole_variables`) and the PS
 refuses a split one (:func:`check_partitioning`).
 
-Options refused (:data:`REFUSED_OPTIONS`): ``global_clipnorm`` needs one norm
-over every variable's summed gradient before any partition is applied, which
-the PS tasks do not agree on; Keras accumulates gradients and keeps the moving
-average inside ``optimizer.apply`` on the worker, before its gradient reaches
-the PS, so each worker would do it on its own share of the gradient rather than
-on the sum of all workers'.
+``global_clipnorm`` needs one norm over every partition's summed gradient: the
+PS's optimizer is rebuilt without it and :mod:`prophet_tf.ps.clipping` scales
+each step's sums once all are complete (one PS task only).
+
+Options refused (:data:`REFUSED_OPTIONS`): Keras accumulates gradients and
+keeps the moving average inside ``optimizer.apply`` on the worker, before its
+gradient reaches the PS, so each worker would do it on its own share of the
+gradient rather than on the sum of all workers'.
 
 This module imports neither TensorFlow nor Keras at import time (the PS checks
 a config without TensorFlow); Keras is imported inside the functions that need
@@ -55,7 +57,7 @@ __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARI
            "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "config_json", "parse_config", "comparable",
            "check_optimizer", "check_options", "check_partitioning", "rebuild", "loss_scaling",
            "CLIPPING_OPTIONS", "clips", "clip_on_the_ps", "clipped_on_the_ps",
-           "check_worker_clipping", "needs_whole_variables"]
+           "check_worker_clipping", "needs_whole_variables", "global_clipnorm"]
 
 #: Optional top-level key of the optimizer JSON: the variable keys the worker's
 #: optimizer exempts from weight decay (``exclude_from_weight_decay`` is not
@@ -77,10 +79,6 @@ _ON_THE_WORKER = ("Keras does it in optimizer.apply on each worker, to that work
                   "share of the gradient before the PS sums the shares")
 #: Optimizer options prophet_tf cannot apply exactly, with the reason.
 REFUSED_OPTIONS = {
-    "global_clipnorm": "it scales every gradient by one norm over all variables' summed "
-                       "gradients, which the PS tasks would have to agree on each step "
-                       "before applying any partition; they apply each partition alone. "
-                       "Use clipnorm (per variable) or clipvalue",
     "use_ema": "the moving average would be kept on each worker, apart from the "
                "parameters the PS trains",
     "gradient_accumulation_steps": _ON_THE_WORKER,
@@ -263,6 +261,10 @@ def rebuild(config: dict):
     config = json.loads(json.dumps(config))  # Keras mutates what it is given
     no_decay = set(config.pop(NO_WEIGHT_DECAY_KEY, None) or ())
     config.pop(LOSS_SCALING_KEY, None)
+    if isinstance(config.get("config"), dict):
+        # Applied per partition it would take each partition's norm for the
+        # step's: prophet_tf.ps.clipping scales the sums before the apply.
+        config["config"].pop("global_clipnorm", None)
     try:
         optimizer = keras.optimizers.deserialize(json.loads(json.dumps(config)))
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -326,6 +328,21 @@ def check_worker_clipping(optimizer) -> None:
         "already clipped this worker's share: train with model.fit/train_on_batch, or call "
         "prophet_tf.keras_optimizer.clip_on_the_ps(optimizer) before the first step. "
         f"Received: {type(optimizer).__name__} {optimizer.name!r} with {options}")
+
+
+def global_clipnorm(config: dict) -> float | None:
+    """The ``global_clipnorm`` of a parsed config (None: not set).
+
+    Raises:
+        ValueError: it is set and not a positive number; names the value.
+    """
+    value = config.get("config", {}).get("global_clipnorm")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"global_clipnorm must be a positive number. "
+                         f"Received: global_clipnorm={value!r}")
+    return float(value)
 
 
 def loss_scaling(config: dict) -> bool:

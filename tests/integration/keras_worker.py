@@ -22,10 +22,10 @@ Scenarios:
            DIR/worker0.<case>.npz.
              keras3:   a model created outside scope() and compiled and fitted
                        under it; one created outside, compiled inside and fitted
-                       outside; jit_compile=True; an optimizer with global_clipnorm;
+                       outside; jit_compile=True;
                        then run_eagerly=True.
              tf_keras: a model created outside scope(); optimizers the PS cannot
-                       reproduce (global_clipnorm, use_ema,
+                       reproduce (use_ema,
                        a legacy optimizer, adaptive_epsilon, a custom schedule);
                        jit_compile=True; the mixed_float16 policy; then a valid
                        model (AdamW with weight decay, bias excluded).
@@ -56,9 +56,8 @@ DATA_SEED = 1234
 PROBE_SEED = 99
 KERAS_CHOICES = ("keras3", "tf.keras", "tf_keras")
 MISUSE_CASES = {
-    "keras3": ("outside_scope", "outside_scope_compiled_inside", "jit_compile",
-               "global_clipnorm"),
-    "tf_keras": ("outside_scope", "global_clipnorm", "use_ema",
+    "keras3": ("outside_scope", "outside_scope_compiled_inside", "jit_compile"),
+    "tf_keras": ("outside_scope", "use_ema",
                  "legacy_optimizer", "adaptive_epsilon", "custom_schedule", "jit_compile",
                  "mixed_precision"),
 }
@@ -175,7 +174,8 @@ def build_model(model_kind: str, hidden: int = 8, seed: int = SEED):
 
 #: Clipping added to an optimizer by the suffix "+<option>" (e.g. "momentum+clipnorm"):
 #: small enough that every step of the test models clips.
-CLIPPING = {"clipnorm": {"clipnorm": 0.05}, "clipvalue": {"clipvalue": 0.02}}
+CLIPPING = {"clipnorm": {"clipnorm": 0.05}, "clipvalue": {"clipvalue": 0.02},
+            "global_clipnorm": {"global_clipnorm": 0.05}}
 
 
 def make_optimizer(name: str):
@@ -439,7 +439,7 @@ def main(argv=None) -> int:
     parser.add_argument("--scenario", choices=["train", "misuse"], default="train")
     parser.add_argument("--optimizer", choices=["sgd", "momentum", "adam", "schedule", "adamw",
                                                 "momentum+clipnorm", "schedule+clipvalue",
-                                                "adam+clipnorm"],
+                                                "adam+clipnorm", "sgd+global_clipnorm"],
                         default="sgd")
     parser.add_argument("--model", choices=["mlp", "bn", "cnn"], default="mlp")
     parser.add_argument("--data", choices=["numpy", "dataset", "pydataset", "sequence"],

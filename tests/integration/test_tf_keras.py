@@ -7,7 +7,9 @@ compare with plain single-process tf_keras run here, in the test process, from
 the same model/data/optimizer code.
 
   sgd          2 workers, 1 PS, MLP, numpy arrays        tf.keras, TF_USE_LEGACY_KERAS=1
+               global_clipnorm (clipped on the PS)
   momentum     2 workers, 1 PS, MLP, tf.data.Dataset     `import tf_keras`, no TF_USE_LEGACY_KERAS
+               clipnorm (clipped on the PS)
   adam         2 workers, 2 PS, CNN, tf_keras Sequence   tf.keras, TF_USE_LEGACY_KERAS=1
   schedule     2 workers, 2 PS, MLP, SGD + ExponentialDecay + clipvalue (clipped on the PS)
   bn           2 workers, 1 PS, MLP with BatchNormalization, 3 epochs
@@ -29,9 +31,9 @@ WATCHDOG = 150.0  # a worker prints its stacks and exits after this long
 
 # keras: how the worker gets tf_keras; "tf.keras" (the default) sets TF_USE_LEGACY_KERAS=1.
 CONFIGS = {
-    "sgd": dict(workers=2, ps=1, optimizer="sgd", model="mlp", data="numpy"),
-    "momentum": dict(workers=2, ps=1, optimizer="momentum", model="mlp", data="dataset",
-                     keras="tf_keras"),
+    "sgd": dict(workers=2, ps=1, optimizer="sgd+global_clipnorm", model="mlp", data="numpy"),
+    "momentum": dict(workers=2, ps=1, optimizer="momentum+clipnorm", model="mlp",
+                     data="dataset", keras="tf_keras"),
     "adam": dict(workers=2, ps=2, optimizer="adam", model="cnn", data="sequence"),
     "schedule": dict(workers=2, ps=2, optimizer="schedule+clipvalue", model="mlp",
                      data="numpy"),
@@ -119,7 +121,6 @@ def test_evaluate_predict_get_weights_see_latest_parameters(runs):
 @pytest.mark.timeout(CLUSTER_TIMEOUT + 60)
 @pytest.mark.parametrize("case,fragments", [
     ("outside_scope", ["scope"]),
-    ("global_clipnorm", ["global_clipnorm", "Received: global_clipnorm=1.0"]),
     ("use_ema", ["use_ema", "Received: use_ema=True"]),
     ("legacy_optimizer", ["legacy", "use tf_keras.optimizers.SGD"]),
     ("adaptive_epsilon", ["adaptive_epsilon", "Received: adaptive_epsilon=True"]),

@@ -167,7 +167,7 @@ def test_non_positive_rpc_timeout_is_rejected():
 
 def test_unsupported_optimizer_options_are_named():
     import keras
-    for option, value in [("global_clipnorm", 1.0)]:
+    for option, value in [("use_ema", True), ("gradient_accumulation_steps", 2)]:
         with pytest.raises(ValueError, match=option):
             strategy_lib.optimizer_config(keras.optimizers.SGD(0.1, **{option: value}), [])
 

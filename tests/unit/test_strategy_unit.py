@@ -418,3 +418,12 @@ def test_clipnorm_keeps_variables_whole_as_whole_variable_optimizers_do():
         parse(keras.optimizers.SGD(0.1, clipvalue=1.0)))
     assert json.dumps(parse(keras.optimizers.Adam()))  # Plain: spread over the PS tasks.
     assert not keras_optimizer.needs_whole_variables(parse(keras.optimizers.Adam()))
+
+
+def test_a_loss_scale_optimizer_s_inner_optimizer_leaves_clipping_to_the_ps():
+    """Its inner apply gets the unscaled gradients: the PS clips those, as Keras does."""
+    import keras
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, clipnorm=1.0))
+    keras_optimizer.clip_on_the_ps(optimizer)
+    assert keras_optimizer.clipped_on_the_ps(optimizer.inner_optimizer)
+    keras_optimizer.check_worker_clipping(optimizer.inner_optimizer)

@@ -25,10 +25,23 @@ config with :data:`LOSS_SCALING_KEY`, so the PS accepts non-finite gradients
 and applies or skips each step as all workers' verdict says
 (:mod:`prophet_tf.loss_scaling`).
 
-Options refused (:data:`REFUSED_OPTIONS`): Keras clips gradients, accumulates
-them and keeps the moving average inside ``optimizer.apply`` on the worker,
-before its gradient reaches the PS, so each worker would do it on its own share
-of the gradient rather than on the sum of all workers'.
+Gradient clipping happens on the PS, on the sum of all workers' gradients, as
+single-process Keras clips the global batch's gradient: the worker's optimizer
+does not clip (:func:`clip_on_the_ps`) and the PS's rebuilt optimizer clips
+inside its ``optimizer.apply`` of each partition. ``clipvalue`` is element-wise,
+so exact on any partitioning; ``clipnorm`` takes one variable's norm, so it is
+exact while no variable is split into row ranges: the workers keep variables up
+to ``max_partition_bytes`` whole (:func:`needs_whole_variables`) and the PS
+refuses a split one (:func:`check_partitioning`).
+
+``global_clipnorm`` needs one norm over every partition's summed gradient: the
+PS's optimizer is rebuilt without it and :mod:`prophet_tf.ps.clipping` scales
+each step's sums once all are complete (one PS task only).
+
+Options refused (:data:`REFUSED_OPTIONS`): Keras accumulates gradients and
+keeps the moving average inside ``optimizer.apply`` on the worker, before its
+gradient reaches the PS, so each worker would do it on its own share of the
+gradient rather than on the sum of all workers'.
 
 This module imports neither TensorFlow nor Keras at import time (the PS checks
 a config without TensorFlow); Keras is imported inside the functions that need
@@ -42,7 +55,9 @@ from typing import Sequence
 
 __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE",
            "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "config_json", "parse_config", "comparable",
-           "check_optimizer", "check_options", "check_partitioning", "rebuild", "loss_scaling"]
+           "check_optimizer", "check_options", "check_partitioning", "rebuild", "loss_scaling",
+           "CLIPPING_OPTIONS", "clips", "clip_on_the_ps", "clipped_on_the_ps",
+           "check_worker_clipping", "needs_whole_variables", "global_clipnorm"]
 
 #: Optional top-level key of the optimizer JSON: the variable keys the worker's
 #: optimizer exempts from weight decay (``exclude_from_weight_decay`` is not
@@ -64,13 +79,13 @@ _ON_THE_WORKER = ("Keras does it in optimizer.apply on each worker, to that work
                   "share of the gradient before the PS sums the shares")
 #: Optimizer options prophet_tf cannot apply exactly, with the reason.
 REFUSED_OPTIONS = {
-    "clipnorm": _ON_THE_WORKER,
-    "clipvalue": _ON_THE_WORKER,
-    "global_clipnorm": _ON_THE_WORKER,
     "use_ema": "the moving average would be kept on each worker, apart from the "
                "parameters the PS trains",
     "gradient_accumulation_steps": _ON_THE_WORKER,
 }
+#: The optimizer options that clip gradients (Keras 3 and tf_keras alike).
+CLIPPING_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm")
+_CLIPS_ON_THE_PS = "_prophet_tf_clips_on_the_ps"
 _MAX_ECHO_CHARS = 200  # of a received config quoted in an error message
 
 
@@ -109,17 +124,37 @@ def check_options(config: dict) -> None:
                              f"Received: {option}={value!r}")
 
 
-def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int) -> None:
-    """Refuses a whole-variable optimizer when a variable is split into row ranges.
+def needs_whole_variables(config: dict) -> bool:
+    """Whether a parsed config's update reads each variable whole: a
+    :data:`WHOLE_VARIABLE` optimizer, or ``clipnorm`` (one variable's norm).
+    The workers then split only variables larger than ``max_partition_bytes``
+    instead of spreading every large one over the PS tasks."""
+    options = config.get("config", config)
+    return config.get("class_name") in WHOLE_VARIABLE or bool(options.get("clipnorm"))
+
+
+def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,
+                       config: dict | None = None) -> None:
+    """Refuses a whole-variable optimizer or ``clipnorm`` when a variable is split.
 
     Args:
         kind: the optimizer's class name.
         split: ``VariableSpec``\\ s of the variables cut into several partitions.
         max_partition_bytes: the limit that cut them.
+        config: the serialized optimizer (for ``clipnorm``); None: not checked.
 
     Raises:
-        ValueError: ``kind`` is in :data:`WHOLE_VARIABLE` and ``split`` is not empty.
+        ValueError: ``kind`` is in :data:`WHOLE_VARIABLE`, or ``config`` sets
+            ``clipnorm``, and ``split`` is not empty.
     """
+    clipnorm = (config or {}).get("config", config or {}).get("clipnorm")
+    if split and clipnorm:
+        raise ValueError(
+            f"clipnorm clips each variable by the norm of its whole summed gradient but "
+            f"variable {split[0].key} ({split[0].name!r}) is split into row ranges, "
+            f"applied one at a time (it is larger than max_partition_bytes="
+            f"{max_partition_bytes}). Use clipvalue, or a max_partition_bytes that keeps "
+            f"every variable whole. Received: clipnorm={clipnorm!r}")
     if split and kind in WHOLE_VARIABLE:
         raise ValueError(
             f"optimizer={kind} needs whole variables but variable {split[0].key} "
@@ -226,6 +261,10 @@ def rebuild(config: dict):
     config = json.loads(json.dumps(config))  # Keras mutates what it is given
     no_decay = set(config.pop(NO_WEIGHT_DECAY_KEY, None) or ())
     config.pop(LOSS_SCALING_KEY, None)
+    if isinstance(config.get("config"), dict):
+        # Applied per partition it would take each partition's norm for the
+        # step's: prophet_tf.ps.clipping scales the sums before the apply.
+        config["config"].pop("global_clipnorm", None)
     try:
         optimizer = keras.optimizers.deserialize(json.loads(json.dumps(config)))
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -241,6 +280,69 @@ def rebuild(config: dict):
     check_optimizer(type(optimizer).__name__)
     check_options(config)
     return optimizer, no_decay
+
+
+def clips(optimizer) -> bool:
+    """Whether a Keras 3 or tf_keras optimizer sets a clipping option."""
+    return any(getattr(optimizer, option, None) for option in CLIPPING_OPTIONS)
+
+
+def clip_on_the_ps(optimizer) -> None:
+    """Makes a worker's Keras 3 optimizer push unclipped gradients.
+
+    Keras 3 clips inside ``optimizer.apply``, before the strategy receives
+    the gradients; the PS clips their sum instead. Replaces ``_clip_gradients``
+    on this object only (and on a ``LossScaleOptimizer``'s inner optimizer);
+    before the step is traced. tf_keras hands the strategy its gradients before
+    it clips them, so it needs nothing.
+    """
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is not None and hasattr(opt, "_clip_gradients") and not clipped_on_the_ps(opt):
+            opt._clip_gradients = lambda grads: grads
+            setattr(opt, _CLIPS_ON_THE_PS, True)
+
+
+def clipped_on_the_ps(optimizer) -> bool:
+    """Whether :func:`clip_on_the_ps` was applied to ``optimizer``."""
+    return getattr(optimizer, _CLIPS_ON_THE_PS, False)
+
+
+def check_worker_clipping(optimizer) -> None:
+    """Refuses a Keras 3 optimizer that clipped a worker's own gradients.
+
+    ``model.fit``/``train_on_batch`` make the worker's optimizer leave clipping
+    to the PS (:func:`clip_on_the_ps`); a custom loop's ``optimizer.apply``
+    clips before the strategy sees the gradients.
+
+    Raises:
+        ValueError: names the optimizer and its clipping options.
+    """
+    from prophet_tf import _keras_compat
+
+    if (optimizer is None or _keras_compat.is_tf_keras_optimizer(optimizer)
+            or not clips(optimizer) or clipped_on_the_ps(optimizer)):
+        return
+    options = {o: getattr(optimizer, o) for o in CLIPPING_OPTIONS if getattr(optimizer, o, None)}
+    raise ValueError(
+        "The PS clips the sum of all workers' gradients, but this optimizer's own apply "
+        "already clipped this worker's share: train with model.fit/train_on_batch, or call "
+        "prophet_tf.keras_optimizer.clip_on_the_ps(optimizer) before the first step. "
+        f"Received: {type(optimizer).__name__} {optimizer.name!r} with {options}")
+
+
+def global_clipnorm(config: dict) -> float | None:
+    """The ``global_clipnorm`` of a parsed config (None: not set).
+
+    Raises:
+        ValueError: it is set and not a positive number; names the value.
+    """
+    value = config.get("config", {}).get("global_clipnorm")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"global_clipnorm must be a positive number. "
+                         f"Received: global_clipnorm={value!r}")
+    return float(value)
 
 
 def loss_scaling(config: dict) -> bool:

@@ -9,6 +9,8 @@ the model through the parameter server (see docs in README "How it works"):
   its IdentityN; tf_keras through the replica context's all_reduce); they are
   kept, unreduced, so that each push can start as soon as its own gradient
   exists.
+  One made while a gradient tape records is a forward-pass all_reduce
+  (`BatchNormalization(synchronized=True)`): refused across workers at once.
 - `_update`: for each (variable, gradient) Keras would apply, a `PushGrad` op
   hands the gradient to the engine; the PS sums the workers' gradients and
   applies the optimizer, so nothing is applied locally.
@@ -32,6 +34,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.distribute import reduce_util
+from tensorflow.python.eager import record
 from tensorflow.python.ops import control_flow_util
 
 from prophet_tf import _keras_compat
@@ -255,6 +258,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             and whole_data.loss_divides_by_rows(model)) else None
         if kind == "train_step" and loss_scaling.is_loss_scale_optimizer(model.optimizer):
             self._install_loss_scaling(model.optimizer)
+        if kind == "train_step" and not _keras_compat.is_tf_keras_optimizer(model.optimizer):
+            keras_optimizer.clip_on_the_ps(model.optimizer)  # The PS clips the sum.
         run = lambda: super(PSExtended, self)._call_for_each_replica(fn, args, kwargs)  # noqa: E731
         if self.cluster.num_workers == 1:
             return run()
@@ -277,6 +282,11 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         _reject_xla()  # tf_keras compiles only the replica function: fail before registering.
+        if record.could_possibly_record():
+            # A gradient tape is recording: not the optimizer's gradients (Keras
+            # reduces those after the tape) but a forward-pass all_reduce, as
+            # BatchNormalization(synchronized=True) makes.
+            return self._forward_all_reduce(value_destination_pairs)
         # The gradients, before Keras joins them in one IdentityN: each push
         # below depends on its own gradient only, so pushes overlap backprop.
         values = [value for value, _ in value_destination_pairs]
@@ -286,6 +296,23 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         self._step_value = self._step.read_value()
         self._step.assign_add(1)
         return values
+
+    def _forward_all_reduce(self, value_destination_pairs):
+        """A replica context's all_reduce inside the forward pass: one worker's
+        sum is its own; across workers it is refused at once, rather than
+        taken for the step's gradients (which would never complete the step)."""
+        values = [value for value, _ in value_destination_pairs]
+        if self.cluster.num_workers == 1:
+            return values
+        raise NotImplementedError(
+            "prophet_tf.Strategy cannot serve a ReplicaContext.all_reduce inside the forward "
+            "pass across workers (BatchNormalization(synchronized=True) makes one): each "
+            "worker's gradients would have to flow back through the other workers' "
+            "statistics. Use BatchNormalization(synchronized=False) or LayerNormalization "
+            "(an optimizer applied inside a GradientTape's with block is taken for this too: "
+            "apply it after the block). "
+            f"Received: all_reduce of {len(values)} tensor(s) in name scope "
+            f"{tf.get_current_name_scope()!r}")
 
     def _update(self, var, fn, args, kwargs, group):
         if not args:  # Weight decay and friends: the PS applies the whole optimizer.
@@ -310,6 +337,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                 "through model.fit/train_on_batch, which decide each step with all workers; "
                 f"its own apply cannot. Received: {type(outer).__name__} {outer.name!r} "
                 f"applied directly, updating {var.name!r}")
+        if not self._trained_this_trace:
+            keras_optimizer.check_worker_clipping(_optimizer_of(fn))
         position = len(self._trained_this_trace)
         if position >= len(self._raw_grads):
             raise RuntimeError(f"More updates than gradients: {var.name!r} has no gradient "

@@ -164,9 +164,9 @@ class Engine:
                              f"{len(variables) - 1}). Received: keys {sorted(initial_values)}")
         self._specs = specs = variable_specs(variables)
         scheduler = schedulers.make_scheduler(self.scheduler_name, **self.scheduler_options)
-        # Optimizers that need whole variables keep them whole on one PS.
-        whole = keras_optimizer.parse_config(optimizer_config)["class_name"] in \
-            keras_optimizer.WHOLE_VARIABLE
+        # Optimizers (and clipnorm) that need whole variables keep them whole on one PS.
+        whole = keras_optimizer.needs_whole_variables(
+            keras_optimizer.parse_config(optimizer_config))
         self._dispatch = dispatch = Dispatch([v.native_key for v in variables], specs,
                                              self.config.num_ps, scheduler, balance=not whole)
         self._assembler = Assembler(self._native, dispatch)

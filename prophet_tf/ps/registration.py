@@ -23,7 +23,7 @@ import keras
 import numpy as np
 
 from prophet_tf import codec, keras_optimizer
-from prophet_tf.ps import sharding
+from prophet_tf.ps import clipping, sharding
 from prophet_tf.ps.errors import RpcError, invalid, short
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -70,6 +70,8 @@ class Model:
     # The workers scale their loss: a step is applied only when every
     # worker's gradients were finite (their verdicts, servicer.py).
     loss_scaling: bool = False
+    # Every step's sums are scaled by one norm before the apply (clipping.py).
+    global_clipnorm: float | None = None
 
 
 def check_request(request, num_workers: int, num_ps: int, max_partition_bytes: int) -> None:
@@ -205,11 +207,14 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
         optimizer, no_decay = keras_optimizer.rebuild(config)
         keras_optimizer.check_partitioning(
             type(optimizer).__name__, [specs[p.key] for p in partitions if p.partition == 1],
-            limit)
+            limit, config)
+        global_clipnorm = keras_optimizer.global_clipnorm(config)
+        clipping.check_placement(global_clipnorm, num_ps)
     except ValueError as e:
         raise invalid(str(e)) from None
     model = Model(specs, keras_optimizer.comparable(config), optimizer, partitions, limit,
-                  loss_scaling=keras_optimizer.loss_scaling(config))
+                  loss_scaling=keras_optimizer.loss_scaling(config),
+                  global_clipnorm=global_clipnorm)
     model.parts = _make_parts(model, no_decay, ps_index)
     return model
 

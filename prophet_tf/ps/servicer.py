@@ -12,6 +12,8 @@ It owns the locking and wires the concerns together, each in its module:
 * ``verdicts.py``: a loss-scaled model's steps, applied or skipped as all
   workers' verdicts say;
 * ``apply.py``: the optimizer apply thread;
+* ``clipping.py``: ``global_clipnorm``, a step's sums held until its one norm
+  is known;
 * ``liveness.py``: heartbeats and the watchdog;
 * ``keras_rpcs.py``: what Keras needs besides training (Gather for
   whole-data metrics and predictions, the optimizer state of saved models);
@@ -39,8 +41,8 @@ from typing import Callable, Iterator
 
 import grpc
 
-from prophet_tf.ps import (aggregation, apply, gather, liveness, protocol, registration, sharding,
-                           verdicts)
+from prophet_tf.ps import (aggregation, apply, clipping, gather, liveness, protocol,
+                           registration, sharding, verdicts)
 from prophet_tf.ps.keras_rpcs import KerasRPCs
 from prophet_tf.ps import checkpoint as checkpoint_lib
 from prophet_tf.ps import trace as trace_lib
@@ -145,6 +147,7 @@ class ParameterServerServicer(KerasRPCs):
             num_workers, self._round_failure, what="verdict of step",
             same_calls="a worker sends one verdict per step")
         self._verdicts = verdicts.Verdicts()
+        self._global_norm: clipping.GlobalNorm | None = None  # global_clipnorm's hold
 
     # ------------------------------------------------------------------ RPCs
 
@@ -277,6 +280,8 @@ class ParameterServerServicer(KerasRPCs):
     def _install_model(self, model):
         self._model, self._parts = model, model.parts
         self._applier.optimizer = model.optimizer
+        self._global_norm = (clipping.GlobalNorm(model.global_clipnorm, len(model.parts))
+                             if model.global_clipnorm else None)
         logger.info("Model defined: %d variables, %d partitions on PS %d (%d bytes), "
                     "optimizer %s", len(model.specs), len(self._parts), self.ps_index,
                     sum(p.plan.nbytes for p in self._parts.values()),
@@ -333,6 +338,9 @@ class ParameterServerServicer(KerasRPCs):
             part, step, total, iteration = update
             if iteration is None:
                 self._applier.skip(part, step)
+            elif self._global_norm is not None:  # Held until the step's norm is known.
+                for ready in self._global_norm.add(part, step, total, iteration):
+                    self._applier.submit(*ready)
             else:
                 self._applier.submit(part, step, total, iteration)
 

@@ -195,8 +195,7 @@ def test_unconvertible_optimizers_are_named(make, fragments):
         assert fragment in str(raised.value), str(raised.value)
 
 
-@pytest.mark.parametrize("option,value", [("clipnorm", 1.0), ("clipvalue", 0.5),
-                                          ("global_clipnorm", 1.0), ("use_ema", True)])
+@pytest.mark.parametrize("option,value", [("use_ema", True)])
 def test_unsupported_tf_keras_options_are_named(option, value):
     optimizer = T.SGD(0.1, **{option: value})
     with pytest.raises(ValueError) as raised:
@@ -287,3 +286,11 @@ def test_mixed_precision_variables_are_recognised():
     assert _keras_compat.is_autocast_variable(layer.kernel)
     assert not _keras_compat.is_autocast_variable(tf.Variable(1.0))
     assert not _keras_compat.is_autocast_variable(keras.Variable(1.0))
+
+
+@pytest.mark.parametrize("option,value", [("clipnorm", 1.0), ("clipvalue", 0.5),
+                                          ("global_clipnorm", 1.0)])
+def test_tf_keras_clipping_reaches_the_ps_as_the_keras_3_option(option, value):
+    """The PS clips the summed gradient with the Keras 3 optimizer's own option."""
+    config = json.loads(keras_optimizer.config_json(T.SGD(0.1, **{option: value})))
+    assert config["config"][option] == value

@@ -262,9 +262,6 @@ def test_initial_values_only_from_worker_0_and_checked(make_servicer):
 
 
 REFUSED_BY_BOTH = [
-    (lambda: keras.optimizers.SGD(0.1, global_clipnorm=1.0), "Received: global_clipnorm=1.0"),
-    (lambda: keras.optimizers.SGD(0.1, clipnorm=1.0), "Received: clipnorm=1.0"),
-    (lambda: keras.optimizers.SGD(0.1, clipvalue=0.5), "Received: clipvalue=0.5"),
     (lambda: keras.optimizers.Adam(use_ema=True), "Received: use_ema=True"),
     (lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
      "Received: gradient_accumulation_steps=2"),
@@ -296,6 +293,51 @@ def test_a_whole_variable_optimizer_is_refused_only_when_a_variable_is_split(mak
                  "'dense/kernel'", "is split into row ranges", "Received: optimizer=Lamb")
     servicer = make_servicer(max_partition_bytes=1 << 20)
     register(servicer, 0, config(keras.optimizers.Lamb()))
+
+
+def test_global_clipnorm_is_refused_on_several_ps_tasks(make_servicer):
+    """Their partitions' norms would need an agreement between the PS tasks."""
+    servicer = make_servicer(ps_index=1, num_ps=2)
+    cfg = config(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+    request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
+                                     optimizer_config=cfg)
+    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
+                 "global_clipnorm", "Received: global_clipnorm=1.0, num_ps=2")
+
+
+def test_global_clipnorm_holds_a_step_until_every_partition_has_its_sum(make_servicer):
+    servicer = make_servicer()
+    values = initial(1)
+    cfg = config(keras.optimizers.SGD(1.0, global_clipnorm=0.5))
+    register(servicer, 0, cfg, values)
+    register(servicer, 1, cfg)
+    grads = {k: np.ones(s, np.float32) for k, (_, s) in SHAPES.items()}
+    partitions = plan()
+    for worker in range(2):
+        push(servicer, worker, grad_chunks(grads, 0, partitions[:-1]))
+    got, versions = pull(servicer, 0, timeout=0.5)
+    assert set(versions.values()) == {0}  # Nothing applied: one sum is missing.
+    assert servicer._global_norm.pending() == {0: len(partitions) - 1}
+    for worker in range(2):
+        push(servicer, worker, grad_chunks(grads, 0, partitions[-1:]))
+    got, versions = pull(servicer, 1)
+    assert set(versions.values()) == {1}
+    norm = np.sqrt(sum(np.sum(np.square(2 * g)) for g in grads.values()))
+    for k in grads:
+        np.testing.assert_allclose(got[k], values[k] - 2 * grads[k] * 0.5 / norm, rtol=1e-6)
+    assert servicer._global_norm.pending() == {}
+
+
+def test_clipnorm_is_refused_only_when_a_variable_is_split(make_servicer):
+    """clipnorm needs the norm of a variable's whole summed gradient."""
+    servicer = make_servicer()  # LIMIT splits dense/kernel
+    request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
+                                     optimizer_config=config(keras.optimizers.SGD(0.1,
+                                                                                  clipnorm=1.0)))
+    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
+                 "'dense/kernel'", "is split into row ranges", "Received: clipnorm=1.0")
+    servicer = make_servicer(max_partition_bytes=1 << 20)
+    register(servicer, 0, config(keras.optimizers.SGD(0.1, clipnorm=1.0)))
 
 
 # -------------------------------------------------------------- Push & sums
@@ -662,9 +704,19 @@ def adamw_without_bias_decay():
     lambda: keras.optimizers.Adam(lr_schedule()),
     lambda: keras.optimizers.RMSprop(0.01, rho=0.8),
     adamw_without_bias_decay,
-], ids=["sgd", "momentum", "adam", "adam-schedule", "rmsprop", "adamw-decay"])
+    # Clipping of the summed gradient: clipvalue on the split kernel's row
+    # ranges; clipnorm with every variable whole (it is refused otherwise).
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipvalue=0.5),
+    lambda: keras.optimizers.Adam(0.05, clipnorm=1.0),
+    # global_clipnorm: one norm over the split kernel's row ranges and the rest.
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=1.0),
+], ids=["sgd", "momentum", "adam", "adam-schedule", "rmsprop", "adamw-decay",
+        "momentum-clipvalue", "adam-clipnorm", "momentum-global-clipnorm"])
 def test_updates_equal_single_process_keras(make_servicer, make_optimizer):
-    servicer = make_servicer()
+    whole = make_optimizer().clipnorm is not None
+    limit = 1 << 20 if whole else LIMIT
+    partitions = sharding.plan(specs(), 1, limit)
+    servicer = make_servicer(max_partition_bytes=limit)
     values = initial(3)
     reference_vars = [keras.Variable(values[k], name=name.split("/")[-1])
                       for k, (name, _) in SHAPES.items()]
@@ -679,10 +731,10 @@ def test_updates_equal_single_process_keras(make_servicer, make_optimizer):
     for step in range(4):
         grads = [{k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in SHAPES.items()}
                  for _ in range(2)]
-        push(servicer, 1, grad_chunks(grads[1], step))
-        push(servicer, 0, grad_chunks(grads[0], step))
+        push(servicer, 1, grad_chunks(grads[1], step, partitions))
+        push(servicer, 0, grad_chunks(grads[0], step, partitions))
         reference.apply([grads[0][k] + grads[1][k] for k in SHAPES], reference_vars)
-        got, versions = pull(servicer, step + 1)
+        got, versions = pull(servicer, step + 1, partitions)
         assert set(versions.values()) == {step + 1}
         for k, variable in enumerate(reference_vars):
             np.testing.assert_allclose(got[k], variable.numpy(), rtol=1e-6, atol=1e-7,

@@ -36,13 +36,17 @@ def random_grads(rng):
     return {k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in SHAPES.items()}
 
 
-def test_steps_wait_for_the_verdicts_then_apply_or_skip_like_single_process(make_servicer):
+@pytest.mark.parametrize("clipping", [{}, {"global_clipnorm": 1.0}],
+                         ids=["plain", "global-clipnorm"])
+def test_steps_wait_for_the_verdicts_then_apply_or_skip_like_single_process(make_servicer,
+                                                                          clipping):
+    """With global_clipnorm the PS clips the (unscaled) sums of the applied steps."""
     servicer = make_servicer()
     values = initial(3)
     reference_vars = [keras.Variable(values[k]) for k in SHAPES]
-    reference = keras.optimizers.Adam(0.1)
+    reference = keras.optimizers.Adam(0.1, **clipping)
     reference.build(reference_vars)
-    cfg = scaled_config(keras.optimizers.Adam(0.1))
+    cfg = scaled_config(keras.optimizers.Adam(0.1, **clipping))
     register(servicer, 0, cfg, values)
     register(servicer, 1, cfg)
     rng = np.random.default_rng(7)

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from prophet_tf import keras_optimizer
 from prophet_tf import strategy as strategy_lib
 from prophet_tf.strategy import Strategy, split_batches
 
@@ -166,7 +167,7 @@ def test_non_positive_rpc_timeout_is_rejected():
 
 def test_unsupported_optimizer_options_are_named():
     import keras
-    for option, value in [("clipnorm", 1.0), ("clipvalue", 0.5), ("global_clipnorm", 1.0)]:
+    for option, value in [("use_ema", True), ("gradient_accumulation_steps", 2)]:
         with pytest.raises(ValueError, match=option):
             strategy_lib.optimizer_config(keras.optimizers.SGD(0.1, **{option: value}), [])
 
@@ -354,3 +355,75 @@ def test_a_loss_divided_by_its_own_sample_weights_is_refused():
     with pytest.raises(ValueError, match="reduction='mean_with_sample_weight'"):
         whole_data.loss_divides_by_rows(
             _compiled(keras, keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")))
+
+
+def test_a_worker_optimizer_leaves_clipping_to_the_ps():
+    """model.fit makes the worker push unclipped gradients; a custom loop's is refused."""
+    import keras
+    optimizer = keras.optimizers.SGD(0.1, clipvalue=0.5)
+    with pytest.raises(ValueError, match=r"clipvalue.*0\.5|already clipped"):
+        keras_optimizer.check_worker_clipping(optimizer)
+    keras_optimizer.clip_on_the_ps(optimizer)
+    keras_optimizer.check_worker_clipping(optimizer)
+    grads = [tf.constant([3.0, -4.0])]
+    assert optimizer._clip_gradients(grads) is grads
+    keras_optimizer.check_worker_clipping(keras.optimizers.SGD(0.1))  # Nothing to clip.
+
+
+@pytest.mark.timeout(60)  # The watchdog: the call must fail, not wait for other workers.
+def test_a_forward_all_reduce_across_workers_fails_at_once_naming_the_layer():
+    """BatchNormalization(synchronized=True) all-reduces its moments inside the tape."""
+    import keras
+    strategy = Strategy(worker_config(index=0))  # 2 workers; connects to nothing yet.
+    with strategy.scope():
+        layer = keras.layers.BatchNormalization(synchronized=True, name="sync_bn")
+
+    @tf.function
+    def step(x):
+        def replica(x):
+            with tf.GradientTape():
+                return layer(x, training=True)
+        return strategy.run(replica, args=(x,))
+
+    with pytest.raises(NotImplementedError) as raised:
+        step(tf.ones((4, 3)))
+    message = str(raised.value)
+    assert "all_reduce" in message and "synchronized=True" in message, message
+    assert "sync_bn" in message, message
+
+
+def test_one_worker_s_forward_all_reduce_is_its_own_sum():
+    strategy = Strategy(worker_config(spec={"worker": ["127.0.0.1:1001"],
+                                            "ps": ["127.0.0.1:2001"]}))
+
+    @tf.function
+    def step(x):
+        def replica(x):
+            with tf.GradientTape():
+                return tf.distribute.get_replica_context().all_reduce("sum", x)
+        return strategy.run(replica, args=(x,))
+
+    np.testing.assert_array_equal(step(tf.constant([1.0, 2.0])), [1.0, 2.0])
+
+
+def test_clipnorm_keeps_variables_whole_as_whole_variable_optimizers_do():
+    """The workers then split only variables over max_partition_bytes (engine.start)."""
+    import json
+
+    import keras
+    parse = lambda o: keras_optimizer.parse_config(keras_optimizer.config_json(o))  # noqa: E731
+    assert keras_optimizer.needs_whole_variables(parse(keras.optimizers.SGD(0.1, clipnorm=1.0)))
+    assert keras_optimizer.needs_whole_variables(parse(keras.optimizers.Lamb()))
+    assert not keras_optimizer.needs_whole_variables(
+        parse(keras.optimizers.SGD(0.1, clipvalue=1.0)))
+    assert json.dumps(parse(keras.optimizers.Adam()))  # Plain: spread over the PS tasks.
+    assert not keras_optimizer.needs_whole_variables(parse(keras.optimizers.Adam()))
+
+
+def test_a_loss_scale_optimizer_s_inner_optimizer_leaves_clipping_to_the_ps():
+    """Its inner apply gets the unscaled gradients: the PS clips those, as Keras does."""
+    import keras
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, clipnorm=1.0))
+    keras_optimizer.clip_on_the_ps(optimizer)
+    assert keras_optimizer.clipped_on_the_ps(optimizer.inner_optimizer)
+    keras_optimizer.check_worker_clipping(optimizer.inner_optimizer)

@@ -130,11 +130,24 @@ def _module(path, name):
 
 def test_multi_host_tf_config(capsys):
     tf_config = _module(EXAMPLES / "multi_host" / "tf_config.py", "tf_config_example")
-    assert tf_config.main(["--ps", "10.0.0.10:2222", "--worker", "10.0.0.11:2222,10.0.0.12:2222",
-                           "--task", "worker:1"]) == 0
-    assert json.loads(capsys.readouterr().out) == {
+    args = ["--ps", "10.0.0.10:2222", "--worker", "10.0.0.11:2222,10.0.0.12:2222"]
+    expected = {
         "cluster": {"ps": ["10.0.0.10:2222"], "worker": ["10.0.0.11:2222", "10.0.0.12:2222"]},
         "task": {"type": "worker", "index": 1}}
+    assert tf_config.main([*args, "--json", "--task", "worker:1"]) == 0
+    assert json.loads(capsys.readouterr().out) == expected
+    # The README's pattern works without --workers-per-host too: eval sets TF_CONFIG.
+    shown = subprocess.run(
+        ["sh", "-c", 'eval "$("$0" "$@")" && printf "%s\\n" "$TF_CONFIG"', sys.executable,
+         str(EXAMPLES / "multi_host" / "tf_config.py"), *args, "--task", "worker:1"],
+        capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout) == expected
+    assert tf_config.main([*args, "--task", "worker:1"]) == 0
+    assert capsys.readouterr().out.startswith("export TF_CONFIG=")
+    with pytest.raises(SystemExit):
+        tf_config.main([*args, "--json", "--workers-per-host", "2", "--task", "ps:0"])
+    assert "Received both" in capsys.readouterr().err
     # prophet_tf reads it as the task it names.
     from prophet_tf import cluster
     config = cluster.resolve(tf_config.tf_config(["a:1"], ["b:2", "c:3"], "ps", 0))

@@ -56,9 +56,10 @@ def minor_version(version: str) -> tuple[int, int] | None:
 def rebuild_hint(installed: str) -> str:
     """How to get an op library for TensorFlow `installed`."""
     return (f"Rebuild prophet_tf against TensorFlow {installed}: from a checkout, "
-            f"`pip install --no-build-isolation -e .`; from PyPI, `pip install setuptools "
-            f"wheel \"grpcio-tools>=1.85.1,<1.86\"` then `pip install --force-reinstall "
-            f"--no-deps --no-build-isolation --no-binary prophet_tf prophet_tf` (without "
+            f"`pip install --no-build-isolation -e .`; otherwise `pip install "
+            f"\"setuptools>=77\" wheel \"grpcio-tools>=1.85.1,<1.86\"` then `pip install "
+            f"--force-reinstall --no-deps --no-build-isolation --no-binary prophet_tf "
+            f"prophet_tf` (or the sdist's path as the last word; without "
             f"--no-build-isolation the build would use the TensorFlow pinned in "
             f"pyproject.toml). Or install the TensorFlow it was built for.")
 

@@ -1,6 +1,7 @@
 """prophet_tf._build_info: the TensorFlow version check before the op library
 loads, and the install hint when no TensorFlow is present."""
 import json
+import re
 import pathlib
 import subprocess
 import sys
@@ -87,3 +88,21 @@ def test_cli_without_tensorflow_prints_the_hint():
     assert "Traceback" not in result.stderr
     assert "prophet-tf ps: needs TensorFlow" in result.stderr
     assert "prophet_tf[gpu]" in result.stderr
+
+
+def test_no_tensorflow_distribution_is_required():
+    """pyproject.toml requires no TensorFlow distribution (pip would install it over
+    another one: tensorflow-cpu over tensorflow[and-cuda]); the extras name one each,
+    the build requires one for its headers, and all agree on the minor version."""
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = [re.match(r"[\w.-]+", r)[0].lower() for r in project["project"]["dependencies"]]
+    assert not [n for n in names if n.startswith(("tensorflow", "tf-", "tf_"))], names
+    extras = project["project"]["optional-dependencies"]
+    assert extras["cpu"] == ["tensorflow-cpu>=2.21,<2.22"]
+    assert extras["gpu"] == ["tensorflow[and-cuda]>=2.21,<2.22"]
+    assert "tensorflow-cpu>=2.21,<2.22" in project["build-system"]["requires"]
+    assert "tensorflow-cpu>=2.21,<2.22" in (ROOT / "Makefile").read_text()
+    # The hint names the extras that exist.
+    for extra in ("cpu", "gpu"):
+        assert f'prophet_tf[{extra}]' in _build_info.INSTALL_HINT

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # What the build itself needs (pyproject.toml [build-system]); installed into
 # the venv so the editable build can skip pip's isolated build environment.
-BUILD_DEPS := "setuptools>=64" wheel "tensorflow-cpu>=2.21,<2.22" "grpcio-tools>=1.85.1,<1.86"
+BUILD_DEPS := "setuptools>=77" wheel "tensorflow-cpu>=2.21,<2.22" "grpcio-tools>=1.85.1,<1.86"
 # The op library's sources; ops/tests/ holds standalone test programs.
 OPS_SOURCES := $(shell find ops -path ops/tests -prune -o \( -name '*.cc' -o -name '*.h' \) -print)
 PROTOS := $(shell find protos -name '*.proto')

@@ -9,16 +9,28 @@
 
 Both write into the source tree, so ``pip install -e .`` and
 ``python setup.py build_ext --inplace`` leave a working checkout.
+
+3. Tag the wheel ``py3-none-<platform>``: the op library links TensorFlow's
+   ``libtensorflow_framework.so.2``, not libpython, and the rest is pure
+   Python, so any CPython that the TensorFlow it was built against supports
+   can load it (the TensorFlow minor version is checked at load time).
 """
+import concurrent.futures
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
 
 ROOT = pathlib.Path(__file__).resolve().parent
 PROTO_ROOT = ROOT / "protos"
@@ -54,10 +66,24 @@ def compile_ops(output: pathlib.Path):
     # reports on our sources, not on theirs.
     tf_flags = ["-isystem" + f[2:] if f.startswith("-I") else f
                 for f in tf.sysconfig.get_compile_flags()]
-    cmd = [cxx, "-shared", "-fPIC", "-O2", "-Wall", f"-I{OPS_DIR}", *tf_flags, *sources,
-           "-o", str(output), *tf.sysconfig.get_link_flags()]
-    print(" ".join(cmd), flush=True)
-    subprocess.check_call(cmd)
+    compile_flags = ["-fPIC", "-O2", "-Wall", f"-I{OPS_DIR}", *tf_flags]
+    # One compiler per source, as many at once as there are cores (TensorFlow's
+    # headers make each a long compile), then one link.
+    jobs = max(1, min(len(sources), int(os.environ.get("PROPHET_TF_BUILD_JOBS", 0))
+                      or os.cpu_count() or 1))
+    with tempfile.TemporaryDirectory(prefix="prophet_tf-ops-") as objects:
+        commands = [[cxx, "-c", *compile_flags, source, "-o",
+                     os.path.join(objects, f"{i}-{pathlib.Path(source).stem}.o")]
+                    for i, source in enumerate(sources)]
+
+        def run(cmd):
+            print(" ".join(cmd), flush=True)
+            subprocess.check_call(cmd)
+
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(run, commands))  # re-raises the first failed compile
+        run([cxx, "-shared", *[c[-1] for c in commands], "-o", str(output),
+             *tf.sysconfig.get_link_flags()])
     info = {"tensorflow_version": tf.__version__, "cxx11_abi": tf.sysconfig.CXX11_ABI_FLAG,
             "compiler": cxx}
     (output.parent / "_build_info.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -87,9 +113,17 @@ class BuildOps(build_ext):
         return [os.path.join(self.build_lib, "prophet_tf", OPS_LIBRARY)]
 
 
+class BdistWheel(bdist_wheel):
+    """Platform-specific (the op library), but not tied to a Python ABI."""
+
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
 setup(
     # A placeholder extension makes setuptools run build_ext and mark the
     # wheel as platform-specific; BuildOps does the real work.
     ext_modules=[Extension("prophet_tf._prophet_ops", sources=[])],
-    cmdclass={"build_py": BuildPy, "build_ext": BuildOps},
+    cmdclass={"build_py": BuildPy, "build_ext": BuildOps, "bdist_wheel": BdistWheel},
 )

@@ -19,7 +19,7 @@ from prophet_tf.evaluator import evaluate_checkpoints, mark_training_done  # noq
 def __getattr__(name):
     # Imported on first use: `prophet-tf launch` and the CLI stay light.
     if name == "Strategy":
-        from prophet_tf.strategy import Strategy
+        from prophet_tf.strategy import Strategy  # says how to install TensorFlow if absent
         return Strategy
     if name == "ops_available":
         from prophet_tf._native import ops_available

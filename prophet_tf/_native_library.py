@@ -10,21 +10,29 @@ one set of queues.
 
 Nothing is loaded at import time. :func:`load` loads on first use and raises
 ``ImportError`` with a rebuild hint when the library is missing or was built
-against another TensorFlow; :func:`ops_available` never raises. The ops and
+against another TensorFlow minor version (checked before loading, from
+``_build_info.json``: see prophet_tf._build_info); :func:`ops_available` never raises. The ops and
 the C API's wrappers are prophet_tf._native.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import pathlib
 import threading
 from typing import Any, NamedTuple
 
-import tensorflow as tf
+# No TensorFlow distribution is required by the package (CPU and GPU users each keep
+# their own): without one, this import says how to install it.
+from prophet_tf._build_info import require_tensorflow
+
+require_tensorflow()
+
+import tensorflow as tf  # noqa: E402
+
+from prophet_tf import _build_info as build_info
 
 __all__ = ["LIBRARY_NAME", "BUILD_INFO_NAME", "REBUILD_HINT", "Native", "load_library", "load",
            "ops_available"]
@@ -32,7 +40,7 @@ __all__ = ["LIBRARY_NAME", "BUILD_INFO_NAME", "REBUILD_HINT", "Native", "load_li
 logger = logging.getLogger(__name__)
 
 LIBRARY_NAME = "_prophet_ops.so"
-BUILD_INFO_NAME = "_build_info.json"
+BUILD_INFO_NAME = build_info.BUILD_INFO_NAME
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 REBUILD_HINT = ("Rebuild it from the prophet_tf checkout with `pip install -e .` or "
                 "`python setup.py build_ext --inplace`.")
@@ -50,13 +58,6 @@ class Native(NamedTuple):
     ops: Any
     lib: ctypes.CDLL
     path: pathlib.Path
-
-
-def _build_info(directory: pathlib.Path) -> dict:
-    try:
-        return json.loads((directory / BUILD_INFO_NAME).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _declare_c_api(lib: ctypes.CDLL) -> None:
@@ -112,15 +113,15 @@ def load_library(directory: str | os.PathLike | None = None) -> Native:
     if not path.is_file():
         raise ImportError(f"prophet_tf's native op library was not built: {path} does not "
                           f"exist. {REBUILD_HINT}")
+    built = build_info.read(directory).get("tensorflow_version")
+    mismatch = build_info.version_mismatch(built, tf.__version__)
+    if mismatch:
+        # Refused before dlopen: under another minor version it would fail with an
+        # undefined symbol, or load and misbehave.
+        raise ImportError(f"{mismatch} (library: {path})")
     try:
         ops = tf.load_op_library(str(path))
     except Exception as e:  # tf.errors.NotFoundError for dlopen failures; be broad.
-        built = _build_info(directory).get("tensorflow_version")
-        if built and built != tf.__version__:
-            raise ImportError(
-                f"prophet_tf's op library {path} was built against TensorFlow {built}, but "
-                f"TensorFlow {tf.__version__} is installed, and it fails to load: {e}. "
-                f"{REBUILD_HINT}") from e
         raise ImportError(f"prophet_tf's op library {path} failed to load: {e}. "
                           f"{REBUILD_HINT}") from e
     try:
@@ -131,10 +132,9 @@ def load_library(directory: str | os.PathLike | None = None) -> Native:
     except (OSError, AttributeError) as e:
         raise ImportError(f"prophet_tf could not bind the C API of {path}: {e}. "
                           f"{REBUILD_HINT}") from e
-    built = _build_info(directory).get("tensorflow_version")
     if built and built != tf.__version__:
-        logger.warning("prophet_tf's op library was built against TensorFlow %s but TensorFlow "
-                       "%s is installed; it loaded, but %s", built, tf.__version__, REBUILD_HINT)
+        logger.info("prophet_tf's op library was built against TensorFlow %s and TensorFlow %s "
+                    "is installed: same minor version, loaded", built, tf.__version__)
     return Native(ops=ops, lib=lib, path=path)
 
 

@@ -7,9 +7,11 @@
     prophet-tf bench [...]     compare schedulers on an emulated cluster (netns + tc)
     prophet-tf simulate [...]  discrete-event simulation of the schedulers
     prophet-tf report [...]    render (or check) the README's tables from their JSON
+    prophet-tf --version       prophet_tf's version, and the TensorFlow it was built against
 """
 from __future__ import annotations
 
+import os
 import sys
 
 _COMMANDS = {
@@ -26,23 +28,61 @@ _COMMANDS = {
 def _usage() -> str:
     lines = ["usage: prophet-tf COMMAND [ARGS]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in _COMMANDS.items()]
-    lines += ["", "Run 'prophet-tf COMMAND --help' for a command's options."]
+    lines += ["", "Run 'prophet-tf COMMAND --help' for a command's options;",
+              "'prophet-tf --version' prints the version."]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def version_text() -> str:
+    """``prophet_tf X.Y.Z`` and, when the op library was built, the TensorFlow
+    it was built against (read from _build_info.json: TensorFlow is not imported)."""
+    from prophet_tf import __version__
+    from prophet_tf import _build_info
+    built = _build_info.read().get("tensorflow_version")
+    suffix = f" (op library built against TensorFlow {built})" if built else \
+        " (op library not built)"
+    return f"prophet_tf {__version__}{suffix}"
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(version_text())
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in _COMMANDS:
         print(f"prophet-tf: unknown command {name!r}; valid commands: "
               f"{', '.join(_COMMANDS)}\n\n{_usage()}", file=sys.stderr)
         return 2
     import importlib
+    from prophet_tf._build_info import INSTALL_HINT, tensorflow_installed
+    # doctor reports a missing TensorFlow itself; the others need it to run
+    # (--help and a few options do not, but an install hint beats a deep traceback).
+    if name != "doctor" and not ({"-h", "--help"} & set(rest)) and not tensorflow_installed():
+        print(f"prophet-tf {name}: needs TensorFlow, and none is installed. {INSTALL_HINT}",
+              file=sys.stderr)
+        return 1
     module = importlib.import_module(_COMMANDS[name][0])
     return module.main(rest) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command. Output piped into a reader that stops early
+    (`prophet-tf -h | head`) ends the command quietly, as other CLI tools do."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader is gone: send what is left of stdout to /dev/null so the
+        # interpreter's own flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a killed writer
 
 
 if __name__ == "__main__":

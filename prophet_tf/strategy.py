@@ -30,7 +30,13 @@ import sys
 import warnings
 from typing import Any
 
-import tensorflow as tf
+# No TensorFlow distribution is required by the package (CPU and GPU users each keep
+# their own): without one, this import says how to install it.
+from prophet_tf._build_info import require_tensorflow
+
+require_tensorflow()
+
+import tensorflow as tf  # noqa: E402
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.distribute import reduce_util

@@ -1,14 +1,16 @@
-"""Prints one task's TF_CONFIG for a cluster given on the command line.
+"""Prints the shell lines that set one task's TF_CONFIG, for a cluster given on the command line.
 
-    export TF_CONFIG=$(python tf_config.py --ps 10.0.0.10:2222 \\
-        --worker 10.0.0.11:2222,10.0.0.12:2222 --task worker:1)
+    eval "$(python tf_config.py --ps 10.0.0.10:2222 \\
+        --worker 10.0.0.11:2222,10.0.0.12:2222 --task worker:1)"
+
+prints ``export TF_CONFIG='...'`` for a shell to eval; with ``--json`` it
+prints the TF_CONFIG alone (``TF_CONFIG=$(python tf_config.py --json ...)``).
 
 With ``--workers-per-host N`` (one worker per GPU), each ``--worker``
 address names a host running N workers, on PORT, PORT+1, ..., PORT+N-1,
-numbered host by host (the first host's are workers 0..N-1). The output is
-then the shell lines that set the task's environment, TF_CONFIG and
-CUDA_VISIBLE_DEVICES (the worker's position on its host; "" for a PS task,
-which needs no GPU):
+numbered host by host (the first host's are workers 0..N-1), and a second
+line sets CUDA_VISIBLE_DEVICES (the worker's position on its host; "" for a
+PS task, which needs no GPU):
 
     eval "$(python tf_config.py --ps 10.0.0.11:2222,10.0.0.12:2222 \\
         --worker 10.0.0.11:2223,10.0.0.12:2223 --workers-per-host 2 --task worker:3)"
@@ -98,9 +100,14 @@ def main(argv=None) -> int:
     parser.add_argument("--task", required=True, help="TYPE:INDEX, e.g. worker:0 or ps:0")
     parser.add_argument("--workers-per-host", type=int, default=None, metavar="N",
                         help="each --worker host runs N workers, one per GPU, on PORT..PORT+N-1;"
-                             " prints `export` lines for TF_CONFIG and CUDA_VISIBLE_DEVICES "
-                             "(use with eval)")
+                             " also sets CUDA_VISIBLE_DEVICES")
+    parser.add_argument("--json", action="store_true",
+                        help="print the TF_CONFIG JSON alone instead of `export` lines "
+                             "(not with --workers-per-host, which sets two variables)")
     args = parser.parse_args(argv)
+    if args.json and args.workers_per_host is not None:
+        parser.error("--json prints TF_CONFIG alone; --workers-per-host also sets "
+                     "CUDA_VISIBLE_DEVICES, so it prints `export` lines. Received both")
     task_type, _, index = args.task.partition(":")
     ps = [a for a in args.ps.split(",") if a]
     workers = [a for a in args.worker.split(",") if a]
@@ -108,12 +115,16 @@ def main(argv=None) -> int:
         if not index.isdigit():
             raise ValueError(f"--task takes TYPE:INDEX. Received: {args.task!r}")
         if args.workers_per_host is None:
-            print(json.dumps(tf_config(ps, workers, task_type, int(index))))
-            return 0
-        env = task_environment(ps, workers, args.workers_per_host, task_type, int(index))
+            env = {"TF_CONFIG": json.dumps(tf_config(ps, workers, task_type, int(index)))}
+            if args.json:
+                print(env["TF_CONFIG"])
+                return 0
+        else:
+            env = task_environment(ps, workers, args.workers_per_host, task_type, int(index))
     except ValueError as e:
         print(f"tf_config.py: {e}", file=sys.stderr)
         return 2
+    # Lines for `eval "$(...)"`, the same with or without --workers-per-host.
     for name, value in env.items():
         print(f"export {name}={shlex.quote(value)}")
     return 0

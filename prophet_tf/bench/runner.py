@@ -617,10 +617,12 @@ def _parse(argv):
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="emulated: compute and latency x k, link bandwidth / k "
                              "(default 1)")
-    parser.add_argument("--workers", type=int, default=d["workers"])
+    parser.add_argument("--workers", type=int, default=d["workers"],
+                        help="worker processes, each on an emulated host of its own "
+                             "(default %(default)s)")
     parser.add_argument("--layout", default=d["layout"], choices=ideal_lib.LAYOUTS,
                         help="colocated: PS tasks on the worker hosts; dedicated: hosts of "
-                             "their own (default %(default)s)")
+                             "their own (default %(default)s, as in `prophet-tf simulate`)")
     parser.add_argument("--ps", type=int, default=d["ps"],
                         help="PS tasks (default: one per worker host when colocated, else 1)")
     parser.add_argument("--bandwidth-mbit", type=float, default=d["bandwidth_mbit"],
@@ -633,7 +635,9 @@ def _parse(argv):
                              "(default %(default)s)")
     parser.add_argument("--steps", type=int, default=d["steps"], help="steps per run")
     parser.add_argument("--reps", type=int, default=d["reps"], help="interleaved repetitions")
-    parser.add_argument("--global-batch", type=int, default=d["global_batch"])
+    parser.add_argument("--global-batch", type=int, default=d["global_batch"],
+                        help="samples per step over all workers, split evenly (a multiple of --workers) "
+                             "(default %(default)s)")
     parser.add_argument("--schedulers", default=d["schedulers"],
                         help="comma-separated: fifo, p3, bytescheduler, prophet, tf-mwms; a "
                              "scheduler may name options (prophet:partition_bytes=200000)")

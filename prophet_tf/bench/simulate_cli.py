@@ -81,10 +81,14 @@ def _parse(argv):
     parser.add_argument("--model", default="resnet50",
                         help="profiled model name or a profile .json (default resnet50)")
     parser.add_argument("--workers", type=int, default=16, help="W (default 16)")
-    parser.add_argument("--ps", type=int, default=4, help="PS tasks (default 4)")
-    parser.add_argument("--layout", default="dedicated", choices=simulate_lib.LAYOUTS,
+    parser.add_argument("--ps", type=int, default=None,
+                        help="PS tasks (default: one per worker host when colocated, else 1, "
+                             "as in `prophet-tf bench`)")
+    # The same default as `prophet-tf bench`: the layout the README recommends.
+    parser.add_argument("--layout", default="colocated", choices=simulate_lib.LAYOUTS,
                         help="colocated: PS task i on worker host i %% W (--ps a multiple of "
-                             "--workers); dedicated: PS hosts of their own (default)")
+                             "--workers); dedicated: PS hosts of their own (default "
+                             "%(default)s, as in `prophet-tf bench`)")
     parser.add_argument("--bandwidth-mbit", type=float, default=10000.0,
                         help="each link's bandwidth per direction (default 10000)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency")
@@ -124,7 +128,10 @@ def _parse(argv):
     parser.add_argument("--batch", type=int, default=32, help="per-worker batch of --profile")
     parser.add_argument("--profile-iterations", type=int, default=7,
                         help="measured iterations of --profile (after 2 warm-up)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.ps is None:
+        args.ps = args.workers if args.layout == "colocated" else 1
+    return args
 
 
 def _without_profile(config: dict) -> dict:

@@ -39,13 +39,14 @@ def check_versions() -> list[Check]:
         import keras
         tf_ok = tf.__version__.startswith("2.21.")
         checks.append(Check("TensorFlow", tf_ok, tf.__version__ + (
-            "" if tf_ok else " (tested: 2.21.x; pip install 'tensorflow-cpu>=2.21,<2.22')")))
+            "" if tf_ok else " (tested: 2.21.x; pip install 'tensorflow-cpu>=2.21,<2.22', "
+                             "or 'tensorflow[and-cuda]>=2.21,<2.22' on a GPU machine)")))
         keras_ok = keras.__version__.startswith("3.")
         checks.append(Check("Keras", keras_ok, keras.__version__ + (
             "" if keras_ok else " (prophet_tf needs Keras 3; pip install 'keras>=3.15,<3.16')")))
     except ImportError as e:
-        checks.append(Check("TensorFlow", False, f"cannot import ({e}); "
-                            "pip install 'tensorflow-cpu>=2.21,<2.22'"))
+        from prophet_tf._build_info import INSTALL_HINT
+        checks.append(Check("TensorFlow", False, f"cannot import ({e}). {INSTALL_HINT}"))
     for package, need in (("grpcio", "1.85.1"), ("protobuf", "7.35.1")):
         found = _version(package)
         ok = found != "not installed" and _at_least(found, need)

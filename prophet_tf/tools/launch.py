@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                              "given, must be N)")
     parser.add_argument("--ps", type=int, default=1, help="number of PS tasks (default 1)")
     parser.add_argument("--scheduler", default=None,
-                        help="gradient scheduler for every worker (sets PROPHET_TF_SCHEDULER)")
+                        help="gradient scheduler for every worker, a name or name:option=value,... "
+                             "(e.g. prophet:blocks_in_flight=4); sets PROPHET_TF_SCHEDULER")
     parser.add_argument("--host", default="127.0.0.1", help="address the PS tasks bind")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="seconds to wait for each PS to become healthy")
@@ -492,8 +493,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"--progress-interval={args.progress_interval}")
     try:
         if args.scheduler is not None:
-            from prophet_tf.engine.schedulers import validate_scheduler
-            validate_scheduler(args.scheduler)
+            # The documented "name:option=value,..." form, as PROPHET_TF_SCHEDULER reads it.
+            from prophet_tf.engine.schedulers import parse_scheduler
+            parse_scheduler(args.scheduler)
         num_workers = args.gpus if args.workers is None else args.workers
         return launch(command, num_workers, args.ps, args.scheduler, args.host,
                       args.startup_timeout, restarts=args.restart,

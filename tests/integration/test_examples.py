@@ -143,11 +143,24 @@ def _module(path, name):
 
 def test_multi_host_tf_config(capsys):
     tf_config = _module(EXAMPLES / "multi_host" / "tf_config.py", "tf_config_example")
-    assert tf_config.main(["--ps", "10.0.0.10:2222", "--worker", "10.0.0.11:2222,10.0.0.12:2222",
-                           "--task", "worker:1"]) == 0
-    assert json.loads(capsys.readouterr().out) == {
+    args = ["--ps", "10.0.0.10:2222", "--worker", "10.0.0.11:2222,10.0.0.12:2222"]
+    expected = {
         "cluster": {"ps": ["10.0.0.10:2222"], "worker": ["10.0.0.11:2222", "10.0.0.12:2222"]},
         "task": {"type": "worker", "index": 1}}
+    assert tf_config.main([*args, "--json", "--task", "worker:1"]) == 0
+    assert json.loads(capsys.readouterr().out) == expected
+    # The README's pattern works without --workers-per-host too: eval sets TF_CONFIG.
+    shown = subprocess.run(
+        ["sh", "-c", 'eval "$("$0" "$@")" && printf "%s\\n" "$TF_CONFIG"', sys.executable,
+         str(EXAMPLES / "multi_host" / "tf_config.py"), *args, "--task", "worker:1"],
+        capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout) == expected
+    assert tf_config.main([*args, "--task", "worker:1"]) == 0
+    assert capsys.readouterr().out.startswith("export TF_CONFIG=")
+    with pytest.raises(SystemExit):
+        tf_config.main([*args, "--json", "--workers-per-host", "2", "--task", "ps:0"])
+    assert "Received both" in capsys.readouterr().err
     # prophet_tf reads it as the task it names.
     from prophet_tf import cluster
     config = cluster.resolve(tf_config.tf_config(["a:1"], ["b:2", "c:3"], "ps", 0))
@@ -497,7 +510,7 @@ def _yaml(text: str):
             items = []
             while i < len(lines) and lines[i][0] == indent and lines[i][1].startswith("- "):
                 rest = lines[i][1][2:].strip()
-                if re.match(r"^[\w.-]+:( |$)", rest):  # a mapping whose first key is here
+                if re.match(r"^[\w./-]+:( |$)", rest):  # a mapping whose first key is here
                     lines[i] = [indent + 2, rest]
                     value, i = block(i, indent + 2)
                 else:
@@ -507,7 +520,7 @@ def _yaml(text: str):
         mapping = {}
         while i < len(lines) and lines[i][0] == indent:
             key, _, rest = lines[i][1].partition(":")
-            assert re.match(r"^[\w.-]+$", key), f"not a key: {lines[i][1]!r}"
+            assert re.match(r"^[\w./-]+$", key), f"not a key: {lines[i][1]!r}"
             i += 1
             if rest.strip():
                 mapping[key] = scalar(rest.strip())
@@ -540,8 +553,9 @@ def _operator_tf_config(job: dict, kind: str, index: int, namespace: str = "ml")
 
 def test_yaml_reader():
     assert _yaml("a:\n  b: 1\n  c: [\"x\", \"y\"]\nd:\n  - e: f\n    g: \"h: i\"\n  - j\n"
-                 "k:\n- 2\n") == {"a": {"b": 1, "c": ["x", "y"]},
-                                  "d": [{"e": "f", "g": "h: i"}, "j"], "k": [2]}
+                 "k:\n- 2\nnvidia.com/gpu: 1\nv: \"\"\n") == {
+                     "a": {"b": 1, "c": ["x", "y"]}, "d": [{"e": "f", "g": "h: i"}, "j"],
+                     "k": [2], "nvidia.com/gpu": 1, "v": ""}
 
 
 def test_kubernetes_tfjob_agrees_with_its_readme(monkeypatch):
@@ -625,3 +639,46 @@ def test_kubernetes_tfjob_agrees_with_its_readme(monkeypatch):
                 monkeypatch.setenv("TF_CONFIG", _operator_tf_config(job, kind, index))
                 assert server._task_from_args(server._parse_args(ps_command[2:])) == (
                     workers, index, replicas["PS"], "[::]", 2222)
+
+
+def test_kubernetes_gpu_variant_is_the_same_job_with_gpus():
+    """tfjob-gpu.yaml is tfjob.yaml on the GPU image, a GPU for each training pod, none for
+    the PS and evaluator pods; Dockerfile.gpu builds on TensorFlow's GPU image of the
+    TensorFlow prophet_tf is built for, and keeps it."""
+    cpu = _yaml((KUBERNETES / "tfjob.yaml").read_text())
+    gpu = _yaml((KUBERNETES / "tfjob-gpu.yaml").read_text())
+    dockerfile = (KUBERNETES / "Dockerfile.gpu").read_text()
+    base = re.search(r"^FROM (\S+)$", dockerfile, re.M)[1]
+    image, _, tag = base.partition(":")
+    assert image == "tensorflow/tensorflow" and tag.endswith("-gpu")
+    pinned = re.search(r'"tensorflow-cpu>=(\d+\.\d+),<', (ROOT / "pyproject.toml").read_text())[1]
+    assert tag.startswith(pinned + "."), (tag, pinned)
+    # The op library is compiled against the image's TensorFlow, none other is installed.
+    commands = "\n".join(line for line in dockerfile.splitlines() if not line.startswith("#"))
+    assert "--no-build-isolation" in commands and "tensorflow-cpu" not in commands
+    assert "ops_available()" in dockerfile
+    for line in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
+        for source in line.split():
+            assert (ROOT / source).exists(), source
+    built = "prophet-tf:0.1.0-gpu"
+    assert f"-t {built} ." in dockerfile
+
+    specs = gpu["spec"]["tfReplicaSpecs"]
+    for kind, spec in specs.items():
+        container = spec["template"]["spec"]["containers"][0]
+        assert container.pop("image") == built, kind
+        limits = container.pop("resources", {}).get("limits", {})
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        if kind in ("Chief", "Worker"):
+            assert limits == {"nvidia.com/gpu": 1}, kind
+            assert "CUDA_VISIBLE_DEVICES" not in env
+        else:  # requests no GPU, and sees none even where the node's runtime shows all
+            assert limits == {}, kind
+            assert env.get("CUDA_VISIBLE_DEVICES") == "", kind
+            container["env"] = [e for e in container["env"]
+                                if e["name"] != "CUDA_VISIBLE_DEVICES"]
+            if not container["env"]:
+                del container["env"]
+    for spec in cpu["spec"]["tfReplicaSpecs"].values():
+        spec["template"]["spec"]["containers"][0].pop("image")
+    assert gpu == cpu  # everything else: the same job

@@ -148,8 +148,9 @@ def _start_and_wait(tmp_path, args, want_reports, timeout=120):
 
 @pytest.mark.timeout(120)
 def test_workers_get_own_tf_config_and_serving_ps(worker_script):
-    result = _run(["--workers", "2", "--ps", "2", "--scheduler", "fifo", "--",
-                   sys.executable, str(worker_script), "check"])
+    # The README's "name:option=value" form reaches every worker as it was given.
+    result = _run(["--workers", "2", "--ps", "2", "--scheduler", "prophet:blocks_in_flight=4",
+                   "--", sys.executable, str(worker_script), "check"])
     assert result.returncode == 0, result.stdout + result.stderr
     reports = _reports(result.stdout)
     assert [r["index"] for r in reports] == [0, 1]
@@ -159,7 +160,7 @@ def test_workers_get_own_tf_config_and_serving_ps(worker_script):
     for i, r in enumerate(reports):
         assert r["tf_config"] == {"cluster": cluster, "task": {"type": "worker", "index": i}}
         assert r["health"] == {address: "SERVING" for address in cluster["ps"]}
-        assert r["scheduler"] == "fifo"
+        assert r["scheduler"] == "prophet:blocks_in_flight=4"
     # Every line carries its task's name.
     lines = result.stdout.splitlines()
     for i in range(2):
@@ -212,12 +213,15 @@ def test_missing_worker_executable(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_unknown_scheduler_rejected_before_start(worker_script, tmp_path):
-    result = _run(["--workers", "1", "--ps", "1", "--scheduler", "nope", "--",
+@pytest.mark.parametrize("spec, named", [("nope", "fifo"),
+                                         ("prophet:blocks=4", "blocks_in_flight"),
+                                         ("prophet:blocks_in_flight=four", "option=int")])
+def test_unknown_scheduler_rejected_before_start(worker_script, tmp_path, spec, named):
+    result = _run(["--workers", "1", "--ps", "1", "--scheduler", spec, "--",
                    sys.executable, str(worker_script), "sleep", str(tmp_path / "up")])
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr
-    assert "fifo" in result.stderr and "nope" in result.stderr
+    assert named in result.stderr and spec.split(":")[-1] in result.stderr
     assert "[ps" not in result.stdout and "[worker" not in result.stdout
     assert not (tmp_path / "up.0").exists()
 

@@ -116,3 +116,71 @@ def test_ps_bad_flags_exit_2():
     assert result.returncode == 2
     assert "--timeline must be in an existing directory" in result.stderr
     assert "/no/such/ps.json" in result.stderr
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag, capsys):
+    import prophet_tf
+    from prophet_tf import _build_info
+    assert cli.main([flag]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"prophet_tf {prophet_tf.__version__} ")
+    built = _build_info.read().get("tensorflow_version")
+    assert f"TensorFlow {built}" in out if built else "not built" in out
+
+
+@pytest.mark.timeout(30)
+def test_version_does_not_import_tensorflow():
+    code = "import sys; from prophet_tf import cli; cli.main(['--version']); " \
+           "print('tensorflow' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "False"
+
+
+@pytest.mark.timeout(30)
+def test_reader_that_stops_early_ends_quietly():
+    # `prophet-tf -h | head -1` when head has already gone: a pipe whose read end
+    # is closed before anything is written, so the write fails every time.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "prophet_tf", "--help"], env=_env(),
+                                cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                timeout=30)
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""   # no BrokenPipeError traceback
+    assert result.returncode == 141
+
+
+@pytest.mark.timeout(60)
+def test_bench_and_simulate_default_to_the_same_layout():
+    from prophet_tf.bench import runner, simulate_cli
+    bench, simulate = runner._parse([]), simulate_cli._parse([])
+    assert bench.layout == simulate.layout == "colocated"
+    # The same rule for the PS tasks: one per worker host when colocated, else 1.
+    assert (bench.ps, simulate.ps) == (bench.workers, simulate.workers)
+    assert simulate_cli._parse(["--layout", "dedicated"]).ps == 1
+    assert simulate_cli._parse(["--ps", "3", "--layout", "dedicated"]).ps == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command, options", [
+    ("bench", ["--workers", "--global-batch", "--layout"]),
+    ("simulate", ["--layout", "--ps"])])
+def test_bench_and_simulate_options_have_help(command, options, capsys):
+    from prophet_tf.bench import runner, simulate_cli
+    parse = {"bench": runner._parse, "simulate": simulate_cli._parse}[command]
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    text = " ".join(capsys.readouterr().out.split()).split(" options: ", 1)[1]
+    words = text.split()
+    for option in options:
+        # argparse prints an option without help as its name and metavar alone,
+        # the next option right after them.
+        at = words.index(option)
+        assert not words[at + 2].startswith("-"), (option, words[at:at + 4])
+    assert "default colocated, as in" in text

@@ -281,7 +281,7 @@ def test_simulate_cli_takes_scheduler_options(tmp_path, capsys):
     out = tmp_path / "sim.json"
     specs = "p3,p3:slice_bytes=4000000"
     assert simulate_cli.main(["--model", "cnn", "--workers", "2", "--ps", "1",
-                              "--bandwidth-mbit", "200",
+                              "--layout", "dedicated", "--bandwidth-mbit", "200",
                               "--schedulers", specs, "--json", str(out)]) == 0
     rows = {r["scheduler"]: r for r in json.loads(out.read_text())["results"]}
     assert list(rows) == ["p3", "p3:slice_bytes=4000000"]

@@ -26,7 +26,6 @@ TF-private imports stay in this module.
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from typing import Any
 
@@ -41,7 +40,6 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.distribute import reduce_util
 from tensorflow.python.eager import record
-from tensorflow.python.ops import control_flow_util
 
 from prophet_tf import _keras_compat
 from prophet_tf import _native
@@ -51,13 +49,13 @@ from prophet_tf import distributed_input
 from prophet_tf import keras_optimizer
 from prophet_tf import loss_scaling
 from prophet_tf import saved_state
+from prophet_tf import strategy_checks as checks
 from prophet_tf import whole_data
 from prophet_tf.distributed_input import split_batches  # noqa: F401 (public)
 from prophet_tf.variables import PSVariable
 
 logger = logging.getLogger(__name__)
 
-_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 #: Steps whose learning rate is kept for the engine (a ring by step number).
 RATE_SLOTS = 16
 
@@ -184,7 +182,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
     # -- variables -------------------------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
-        if _may_become_ps_variable(kwargs) and kwargs.get("colocate_with") is None:
+        if checks.may_become_ps_variable(kwargs) and kwargs.get("colocate_with") is None:
             # A parameter's value lives in the op library's host staging area, and
             # TensorFlow runs PushGrad wherever its variable's handle is: so the
             # variable itself (read once, at adoption) lives on the host too.
@@ -196,8 +194,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
                 and kwargs.get("aggregation") == tf.VariableAggregation.SUM):
             self.exchange.track_summed_variable(variable)  # A metric's total or count.
-        if (_is_plain_resource_variable(variable) and variable.trainable
-                and variable.dtype in _FLOAT_DTYPES):
+        if (checks.is_plain_resource_variable(variable) and variable.trainable
+                and variable.dtype in checks.FLOAT_DTYPES):
             variable = PSVariable.adopt(variable, key=len(self._ps_variables), step_variable=self._step)
             self._ps_variables.append(variable)
         return variable
@@ -212,12 +210,12 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
     # again, and iterates as a plain tf.data dataset (distributed_input.py).
 
     def _experimental_distribute_dataset(self, dataset, options):
-        _check_replication_mode(options)
+        checks.check_replication_mode(options)
         return distributed_input.distribute_dataset(dataset, self.cluster.num_workers,
                                                     self.cluster.task_index)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
-        _check_replication_mode(options)
+        checks.check_replication_mode(options)
         context = distribute_lib.InputContext(
             num_input_pipelines=self.cluster.num_workers,
             input_pipeline_id=self.cluster.task_index,
@@ -249,7 +247,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
     # -- gradients -------------------------------------------------------------------------
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        _reject_xla()  # Keras 3 compiles the whole step function.
+        checks.reject_xla()  # Keras 3 compiles the whole step function.
         if tf.executing_eagerly() and not self._eager_warned:
             self._eager_warned = True
             warnings.warn("run_eagerly=True under prophet_tf.Strategy runs every op in order: "
@@ -259,7 +257,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         model, kind = whole_data.keras_step(fn)
         # A Keras train step's loss is this worker's mean over its rows divided
         # by W: the PS weights its gradient by its rows (GradientChunk.batch_rows).
-        self._share_rows = _rows_of(args) if (
+        self._share_rows = checks.rows_of(args) if (
             kind == "train_step" and self.cluster.num_workers > 1
             and whole_data.loss_divides_by_rows(model)) else None
         if kind == "train_step" and loss_scaling.is_loss_scale_optimizer(model.optimizer):
@@ -287,7 +285,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             self._step_value, local_finite, self.engine.step_verdict))
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        _reject_xla()  # tf_keras compiles only the replica function: fail before registering.
+        checks.reject_xla()  # tf_keras compiles only the replica function: fail now.
         if record.could_possibly_record():
             # A gradient tape is recording: not the optimizer's gradients (Keras
             # reduces those after the tape) but a forward-pass all_reduce, as
@@ -333,7 +331,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             raise ValueError(
                 f"The variable {var.name!r} was created outside prophet_tf.Strategy.scope(). "
                 "Create the model and the optimizer inside `with strategy.scope():`.")
-        outer = _unhandled_loss_scale_optimizer()
+        outer = checks.unhandled_loss_scale_optimizer()
         if outer is not None:
             # Its own apply updates only when this worker's gradients are
             # finite: on an overflow this worker would not push, and every
@@ -344,7 +342,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                 f"its own apply cannot. Received: {type(outer).__name__} {outer.name!r} "
                 f"applied directly, updating {var.name!r}")
         if not self._trained_this_trace:
-            keras_optimizer.check_worker_clipping(_optimizer_of(fn))
+            keras_optimizer.check_worker_clipping(checks.optimizer_of(fn))
         position = len(self._trained_this_trace)
         if position >= len(self._raw_grads):
             raise RuntimeError(f"More updates than gradients: {var.name!r} has no gradient "
@@ -379,7 +377,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         a schedule. The engine's pump reads a step's rate after its first
         gradient, which can be after a callback already set the next epoch's
         rate on the optimizer: so the step records its own, by step number."""
-        variable = _keras_compat.learning_rate_variable(_optimizer_of(update_fn))
+        variable = _keras_compat.learning_rate_variable(checks.optimizer_of(update_fn))
         if variable is None:
             return None
         if self._rates is None:
@@ -424,7 +422,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                     f"{[v.native_key for v in trained]}")
             return
         untrained = [v for v in self._ps_variables if all(v is not t for t in trained)]
-        optimizer = _optimizer_of(update_fn)
+        optimizer = checks.optimizer_of(update_fn)
         traced = tf.inside_function()
         with tf.init_scope():
             scaled = (self._loss_scale_optimizer is not None
@@ -455,75 +453,6 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             for variable in trained:
                 variable._ps_managed = True
         self._registered = trained
-
-
-def _rows_of(args) -> tf.Tensor:
-    """The rows of a step's batch: the first dimension of its first tensor."""
-    flat = tf.nest.flatten(args)
-    if not flat:
-        raise ValueError("A Keras train step under prophet_tf.Strategy needs a batch of data. "
-                         f"Received: args={args!r}")
-    return tf.shape(flat[0], out_type=tf.int64)[0]
-
-
-def _check_replication_mode(options) -> None:
-    if options is not None and options.experimental_replication_mode == \
-            distribute_lib.InputReplicationMode.PER_REPLICA:
-        raise NotImplementedError(
-            "prophet_tf.Strategy has one replica per worker: InputReplicationMode.PER_REPLICA "
-            "does not apply. Received: experimental_replication_mode=PER_REPLICA")
-
-
-def _reject_xla() -> None:
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-        raise ValueError("prophet_tf's ops have no XLA kernels: compile the model with "
-                         "jit_compile=False (the default under a tf.distribute strategy). "
-                         "Received: jit_compile=True")
-
-
-def _unhandled_loss_scale_optimizer():
-    """The Keras LossScaleOptimizer whose own ``apply`` is running (on this
-    thread's stack, while tracing), unless loss_scaling.install replaced it."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if loss_scaling.is_loss_scale_optimizer(owner) and not loss_scaling.installed(owner):
-            return owner
-        frame = frame.f_back
-    return None
-
-
-def _is_plain_resource_variable(variable) -> bool:
-    from tensorflow.python.ops import resource_variable_ops
-    return type(variable) is resource_variable_ops.ResourceVariable
-
-
-def _may_become_ps_variable(creator_kwargs: dict) -> bool:
-    """Whether a variable created with these arguments can be adopted (trainable, float),
-    decided before it exists; the adoption itself checks the variable it gets."""
-    trainable = creator_kwargs.get("trainable")
-    if trainable is None:  # tf.Variable's default
-        trainable = creator_kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ
-    if not trainable:
-        return False
-    dtype = creator_kwargs.get("dtype")
-    if dtype is None:
-        dtype = getattr(creator_kwargs.get("initial_value"), "dtype", None)
-    return dtype is None or tf.as_dtype(dtype).base_dtype in _FLOAT_DTYPES
-
-
-def _optimizer_of(update_fn):
-    """The Keras 3 or tf_keras optimizer whose update step `update_fn` is (a closure over it).
-
-    tf.distribute wraps the function (autograph), so closures are searched a
-    few levels deep.
-    """
-    optimizer = _keras_compat.search_closures(
-        update_fn, lambda obj: obj if _keras_compat.is_optimizer(obj) else None)
-    if optimizer is not None:
-        return optimizer
-    raise ValueError("prophet_tf.Strategy trains with a Keras optimizer through "
-                     f"model.compile/fit or optimizer.apply. Received: update function {update_fn!r}")
 
 
 def optimizer_config(optimizer, trained: list, scaled: bool = False) -> str:

@@ -76,7 +76,7 @@ def worker_devices(workers_per_host: int, visible: str | None = None) -> list[st
     """The CUDA_VISIBLE_DEVICES of a host's workers 0..N-1, one GPU each: the
     first N entries of `visible` (an ``--env CUDA_VISIBLE_DEVICES``), else 0..N-1.
 
-    The rules of ``prophet_tf.tools.launch.gpu_devices``, kept here because this
+    The rules of ``prophet_tf.tools.gpus.gpu_devices``, kept here because this
     script needs only the standard library (no TensorFlow where it runs).
 
     Raises:

@@ -732,29 +732,10 @@ def _main_suite(args) -> int:
     print(f"\nsuite {args.suite}: {len(result['cells'])} cells, "
           f"{result['elapsed_s'] / 60:.1f} min in this invocation"
           + (f", {sum(walls) / 60:.1f} min over {len(walls)} timed cell(s)" if walls else ""))
-    print_suite(result)
+    suite_lib.print_summary(result)
     if args.json:
         print(f"results written to {args.json}")
     return 0
-
-
-def print_suite(result: dict, out=sys.stdout) -> None:
-    """One line per cell: speedups over FIFO and Prophet's ratios."""
-    rows = suite_lib.summary(result)
-    names = result["suite"]["schedulers"].split(",")
-    print(f"{'model':>12} {'workers':>7} {'Mbit/s':>7} {'FIFO ms':>8} "
-          + " ".join(f"{n:>13}" for n in names if n != "fifo")
-          + f" {'P/tf-mwms':>9} {'P/rival':>8} {'P/ideal':>8}", file=out)
-
-    def f(x):
-        return "-" if x is None else f"{x:.2f}"
-    for r in rows:
-        fifo = r["cluster_step_s"].get("fifo")
-        print(f"{r['model']:>12} {r['workers']:>7} {r['bandwidth_mbit']:>7g} "
-              f"{'-' if fifo is None else f'{fifo * 1e3:.1f}':>8} "
-              + " ".join(f"{f(r['speedup_vs_fifo'].get(n)):>13}" for n in names if n != "fifo")
-              + f" {f(r['prophet_vs_tf_mwms']):>9} {f(r['prophet_vs_rival']):>8} "
-                f"{f(r['prophet_vs_ideal']):>8}", file=out)
 
 
 if __name__ == "__main__":

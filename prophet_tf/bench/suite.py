@@ -28,7 +28,7 @@ import time
 from typing import Callable
 
 __all__ = ["Suite", "SUITES", "TARGETS", "cells", "cell_directory", "run_suite", "summary",
-           "targets"]
+           "print_summary", "targets"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,3 +259,22 @@ def targets(result: dict) -> dict:
             "reachable_vs_tf_mwms": sum(1 for r in rows if at_most(r["floor_vs_tf_mwms"],
                                                                    TARGETS["vs_tf_mwms"])),
             "models_not_run": [m for m in result["suite"]["models"] if m not in ran]}
+
+
+def print_summary(result: dict, out=sys.stdout) -> None:
+    """One line per cell: speedups over FIFO and Prophet's ratios."""
+    rows = summary(result)
+    names = result["suite"]["schedulers"].split(",")
+    print(f"{'model':>12} {'workers':>7} {'Mbit/s':>7} {'FIFO ms':>8} "
+          + " ".join(f"{n:>13}" for n in names if n != "fifo")
+          + f" {'P/tf-mwms':>9} {'P/rival':>8} {'P/ideal':>8}", file=out)
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+    for r in rows:
+        fifo = r["cluster_step_s"].get("fifo")
+        print(f"{r['model']:>12} {r['workers']:>7} {r['bandwidth_mbit']:>7g} "
+              f"{'-' if fifo is None else f'{fifo * 1e3:.1f}':>8} "
+              + " ".join(f"{f(r['speedup_vs_fifo'].get(n)):>13}" for n in names if n != "fifo")
+              + f" {f(r['prophet_vs_tf_mwms']):>9} {f(r['prophet_vs_rival']):>8} "
+                f"{f(r['prophet_vs_ideal']):>8}", file=out)

@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 __all__ = ["CheckpointPolicy", "Checkpointer", "Snapshot", "model_signature",
-           "signature_difference", "choose", "take"]
+           "signature_difference", "choose", "take", "signature_of", "install"]
 
 logger = logging.getLogger(__name__)
 
@@ -295,3 +295,18 @@ def take(step: int, signature: dict, params: dict, optimizer_variables: Sequence
     names = [v.path for v in optimizer_variables]
     values = [np.array(v.numpy(), copy=True) for v in optimizer_variables]
     return Snapshot(step, signature, params, names, values, skipped_steps)
+
+
+def signature_of(model, ps_index: int, num_ps: int) -> dict:
+    """:func:`model_signature` of a registered model (``registration.Model``)."""
+    return model_signature(model.specs, model.partitions, type(model.optimizer).__name__,
+                           ps_index, num_ps)
+
+
+def install(snapshot, parts: Mapping, optimizer) -> None:
+    """Writes ``snapshot``'s parameters into ``parts`` (``(key, partition) -> Part``) and
+    its optimizer state into ``optimizer``'s variables."""
+    for (key, partition), part in parts.items():
+        part.variable.assign(snapshot.params[key, partition].reshape(part.shape))
+    for variable, value in zip(optimizer.variables, snapshot.optimizer_values):
+        variable.assign(value)

@@ -28,7 +28,7 @@ from prophet_tf.ps.errors import RpcError, invalid, short
 from prophet_tf.ps.v1 import ps_pb2
 
 __all__ = ["Part", "Model", "check_request", "define_model", "check_same_model",
-           "check_initial_values", "not_found", "check_chunk_bytes"]
+           "check_initial_values", "not_found", "pulled_parts", "check_chunk_bytes"]
 
 # Bounds on one declaration, checked before anything is planned or allocated.
 _MAX_PARTITIONS = 1 << 16  # per model; also bounds the variables (>= 1 partition each)
@@ -307,3 +307,21 @@ def check_chunk_bytes(part: Part, chunk, what: str) -> np.ndarray:
                       f"{part.plan.row_end} of shape {list(part.spec.shape)}). "
                       f"Received: {len(data)} bytes")
     return codec.from_bytes(data, part.dtype)
+
+
+def pulled_parts(model: Model, items, ps_index: int) -> list:
+    """The parts a PullRequest's ``items`` name, in their order.
+
+    Raises:
+      RpcError: more items than this PS owns partitions, or one it does not own.
+    """
+    if len(items) > len(model.parts):
+        raise invalid(f"A pull names at most the {len(model.parts)} partitions this PS "
+                      f"owns. Received: {len(items)} items")
+    parts = []
+    for item in items:
+        part = model.parts.get((item.key, item.partition))
+        if part is None:
+            raise not_found(model, item.key, item.partition, ps_index)
+        parts.append(part)
+    return parts

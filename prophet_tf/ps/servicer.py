@@ -419,17 +419,7 @@ class ParameterServerServicer(KerasRPCs):
             if self._model is None:
                 raise precondition("No model is registered on this PS yet; call Register "
                                    f"first. Received: Pull from worker_id={request.worker_id}")
-            if len(request.items) > len(self._parts):
-                raise invalid(f"A pull names at most the {len(self._parts)} partitions this PS "
-                              f"owns. Received: {len(request.items)} items")
-            parts = []
-            for item in request.items:
-                part = self._parts.get((item.key, item.partition))
-                if part is None:
-                    raise registration.not_found(self._model, item.key, item.partition,
-                                                 self.ps_index)
-                parts.append(part)
-        return parts
+            return registration.pulled_parts(self._model, request.items, self.ps_index)
 
     def _next_applied(self, left: list, min_version: int, context):
         """Removes from ``left`` the first partition (in ``left``'s order)
@@ -507,9 +497,7 @@ class ParameterServerServicer(KerasRPCs):
     # ----------------------------------------------------------- checkpoints
 
     def _signature(self, model) -> dict:
-        return checkpoint_lib.model_signature(model.specs, model.partitions,
-                                              type(model.optimizer).__name__,
-                                              self.ps_index, self.num_ps)
+        return checkpoint_lib.signature_of(model, self.ps_index, self.num_ps)
 
     def _choose_checkpoint(self, model, resume_step: int):
         try:
@@ -523,10 +511,7 @@ class ParameterServerServicer(KerasRPCs):
         """Installs ``snapshot``; called under the state lock right after the
         model is installed, when no push can have arrived and nothing applies
         (so the apply lock is not needed, and would invert the lock order)."""
-        for (key, partition), part in self._parts.items():
-            part.variable.assign(snapshot.params[key, partition].reshape(part.shape))
-        for variable, value in zip(self._model.optimizer.variables, snapshot.optimizer_values):
-            variable.assign(value)
+        checkpoint_lib.install(snapshot, self._parts, self._model.optimizer)
         for part in self._parts.values():
             part.encoded = protocol.encode_parameter_chunk(
                 part.plan.key, part.plan.partition, snapshot.step, part.spec.dtype,

@@ -21,6 +21,7 @@ import tf_keras  # noqa: E402
 from prophet_tf import _keras_compat  # noqa: E402
 from prophet_tf import keras_optimizer  # noqa: E402
 from prophet_tf import strategy as strategy_lib  # noqa: E402
+from prophet_tf import strategy_checks  # noqa: E402
 from prophet_tf.keras_optimizer import NO_WEIGHT_DECAY_KEY  # noqa: E402
 from prophet_tf.ps.servicer import ParameterServerServicer  # noqa: E402
 from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
@@ -161,9 +162,9 @@ def test_optimizer_is_found_in_the_update_closure():
             return optimizer, var, grad
         return apply_grad_to_update_var
 
-    assert strategy_lib._optimizer_of(outer()) is optimizer
+    assert strategy_checks.optimizer_of(outer()) is optimizer
     with pytest.raises(ValueError, match="Keras optimizer"):
-        strategy_lib._optimizer_of(lambda var, grad: None)
+        strategy_checks.optimizer_of(lambda var, grad: None)
 
 
 class MySGD(T.SGD):

@@ -213,12 +213,12 @@ MAX_LINES = 450
 # Modules over the budget, each at most its size here until split along its seams.
 # The list may only shrink: lower a number when a module shrinks, remove it at 450.
 OVER_BUDGET = {
-    "prophet_tf/bench/runner.py": 757,  # arguments, orchestration, results
-    "prophet_tf/ps/servicer.py": 561,  # the pull long-poll, checkpointing
+    "prophet_tf/bench/runner.py": 742,  # arguments, orchestration, results
+    "prophet_tf/ps/servicer.py": 554,  # the pull long-poll, checkpointing
     "prophet_tf/bench/simulate.py": 514,  # core, network, calibration
-    "prophet_tf/tools/launch.py": 511,  # a process supervisor shared with the bench
+    "prophet_tf/tools/launch.py": 471,  # a process supervisor shared with the bench
     "prophet_tf/engine/engine.py": 504,  # one config object, its threads
-    "prophet_tf/strategy.py": 501,  # input and Keras hooks apart
+    "prophet_tf/strategy.py": 465,  # input and Keras hooks apart
 }
 
 

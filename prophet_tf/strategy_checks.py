@@ -1,0 +1,88 @@
+"""What prophet_tf.Strategy checks of what Keras and TensorFlow hand it: the data of a
+train step, input options, XLA, a LossScaleOptimizer's own apply, the variables it may
+adopt and the optimizer behind an update."""
+from __future__ import annotations
+
+import sys
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.ops import control_flow_util
+
+from prophet_tf import _keras_compat, loss_scaling
+
+__all__ = ["FLOAT_DTYPES", "rows_of", "check_replication_mode", "reject_xla",
+           "unhandled_loss_scale_optimizer", "is_plain_resource_variable",
+           "may_become_ps_variable", "optimizer_of"]
+
+#: The dtypes of variables the PS trains.
+FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+def rows_of(args) -> tf.Tensor:
+    """The rows of a step's batch: the first dimension of its first tensor."""
+    flat = tf.nest.flatten(args)
+    if not flat:
+        raise ValueError("A Keras train step under prophet_tf.Strategy needs a batch of data. "
+                         f"Received: args={args!r}")
+    return tf.shape(flat[0], out_type=tf.int64)[0]
+
+
+def check_replication_mode(options) -> None:
+    if options is not None and options.experimental_replication_mode == \
+            distribute_lib.InputReplicationMode.PER_REPLICA:
+        raise NotImplementedError(
+            "prophet_tf.Strategy has one replica per worker: InputReplicationMode.PER_REPLICA "
+            "does not apply. Received: experimental_replication_mode=PER_REPLICA")
+
+
+def reject_xla() -> None:
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError("prophet_tf's ops have no XLA kernels: compile the model with "
+                         "jit_compile=False (the default under a tf.distribute strategy). "
+                         "Received: jit_compile=True")
+
+
+def unhandled_loss_scale_optimizer():
+    """The Keras LossScaleOptimizer whose own ``apply`` is running (on this
+    thread's stack, while tracing), unless loss_scaling.install replaced it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if loss_scaling.is_loss_scale_optimizer(owner) and not loss_scaling.installed(owner):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def is_plain_resource_variable(variable) -> bool:
+    from tensorflow.python.ops import resource_variable_ops
+    return type(variable) is resource_variable_ops.ResourceVariable
+
+
+def may_become_ps_variable(creator_kwargs: dict) -> bool:
+    """Whether a variable created with these arguments can be adopted (trainable, float),
+    decided before it exists; the adoption itself checks the variable it gets."""
+    trainable = creator_kwargs.get("trainable")
+    if trainable is None:  # tf.Variable's default
+        trainable = creator_kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ
+    if not trainable:
+        return False
+    dtype = creator_kwargs.get("dtype")
+    if dtype is None:
+        dtype = getattr(creator_kwargs.get("initial_value"), "dtype", None)
+    return dtype is None or tf.as_dtype(dtype).base_dtype in FLOAT_DTYPES
+
+
+def optimizer_of(update_fn):
+    """The Keras 3 or tf_keras optimizer whose update step `update_fn` is (a closure over it).
+
+    tf.distribute wraps the function (autograph), so closures are searched a
+    few levels deep.
+    """
+    optimizer = _keras_compat.search_closures(
+        update_fn, lambda obj: obj if _keras_compat.is_optimizer(obj) else None)
+    if optimizer is not None:
+        return optimizer
+    raise ValueError("prophet_tf.Strategy trains with a Keras optimizer through "
+                     f"model.compile/fit or optimizer.apply. Received: update function {update_fn!r}")

@@ -106,6 +106,12 @@ def check_optimizer(kind: str) -> None:
             f"skipped iterations) or is unknown to it. Received: optimizer={kind}")
 
 
+def _options(config: dict) -> dict:
+    """The options of ``keras.optimizers.serialize(optimizer)``: its ``"config"``, or
+    ``config`` itself when given those options directly."""
+    return config.get("config", config)
+
+
 def check_options(config: dict) -> None:
     """Refuses a serialized optimizer that sets an option of :data:`REFUSED_OPTIONS`.
 
@@ -115,7 +121,7 @@ def check_options(config: dict) -> None:
     Raises:
         ValueError: names the first refused option and its value.
     """
-    options = config.get("config", config)
+    options = _options(config)
     for option, reason in REFUSED_OPTIONS.items():
         value = options.get(option)
         if value:
@@ -129,8 +135,7 @@ def needs_whole_variables(config: dict) -> bool:
     :data:`WHOLE_VARIABLE` optimizer, or ``clipnorm`` (one variable's norm).
     The workers then split only variables larger than ``max_partition_bytes``
     instead of spreading every large one over the PS tasks."""
-    options = config.get("config", config)
-    return config.get("class_name") in WHOLE_VARIABLE or bool(options.get("clipnorm"))
+    return config.get("class_name") in WHOLE_VARIABLE or bool(_options(config).get("clipnorm"))
 
 
 def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,
@@ -147,7 +152,7 @@ def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,
         ValueError: ``kind`` is in :data:`WHOLE_VARIABLE`, or ``config`` sets
             ``clipnorm``, and ``split`` is not empty.
     """
-    clipnorm = (config or {}).get("config", config or {}).get("clipnorm")
+    clipnorm = _options(config or {}).get("clipnorm")
     if split and clipnorm:
         raise ValueError(
             f"clipnorm clips each variable by the norm of its whole summed gradient but "

@@ -9,7 +9,7 @@ of the Keras 3 optimizer that computes the same update.
 Only the built-in classes below convert: their update rules are the same in
 both Keras versions (checked in tests/unit/test_keras_compat.py). Anything
 else raises a `ValueError` naming it. Which optimizers and options the PS
-applies at all is decided in `prophet_tf.keras_optimizer`. tf_keras is never imported here unless
+applies at all is decided in `prophet_tf.optimizer_policy`. tf_keras is never imported here unless
 the program already did.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from prophet_tf import keras_optimizer
+from prophet_tf import optimizer_policy
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ __all__ = ["is_autocast_variable", "is_optimizer", "is_tf_keras_optimizer",
            "closure_contents", "search_closures"]
 
 # tf_keras optimizers whose Keras 3 class of the same name applies the same update:
-# those the PS supports (prophet_tf.keras_optimizer), but Lamb, which tf_keras lacks.
-CONVERTIBLE_OPTIMIZERS = tuple(kind for kind in keras_optimizer.SUPPORTED_OPTIMIZERS
+# those the PS supports (prophet_tf.optimizer_policy), but Lamb, which tf_keras lacks.
+CONVERTIBLE_OPTIMIZERS = tuple(kind for kind in optimizer_policy.SUPPORTED_OPTIMIZERS
                                if kind != "Lamb")
 CONVERTIBLE_SCHEDULES = ("ExponentialDecay", "PiecewiseConstantDecay", "PolynomialDecay",
                          "InverseTimeDecay", "CosineDecay", "CosineDecayRestarts")

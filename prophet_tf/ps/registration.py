@@ -7,7 +7,7 @@ so garbage never counts as "another model". Worker 0 sends the initial values
 of this PS's partitions with its Register.
 
 The optimizer is rebuilt from the declared config under the one optimizer
-policy (:mod:`prophet_tf.keras_optimizer`), one ``keras.Variable`` per owned
+policy (:mod:`prophet_tf.optimizer_policy`), one ``keras.Variable`` per owned
 partition. Variable constraints are not carried over (not in the spec).
 """
 
@@ -22,7 +22,7 @@ import grpc
 import keras
 import numpy as np
 
-from prophet_tf import codec, keras_optimizer
+from prophet_tf import codec, keras_optimizer, optimizer_policy
 from prophet_tf.ps import clipping, sharding
 from prophet_tf.ps.errors import RpcError, invalid, short
 from prophet_tf.ps.v1 import ps_pb2
@@ -176,7 +176,7 @@ def _parse_optimizer_config(text: str) -> dict:
         raise invalid(f"optimizer_config is longer than {_MAX_OPTIMIZER_CONFIG_CHARS} "
                       f"characters. Received: {len(text)} characters")
     try:
-        return keras_optimizer.parse_config(text)
+        return optimizer_policy.parse_config(text)
     except ValueError as e:
         raise invalid(str(e)) from None
 
@@ -205,15 +205,15 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
     config = _parse_optimizer_config(request.optimizer_config)
     try:
         optimizer, no_decay = keras_optimizer.rebuild(config)
-        keras_optimizer.check_partitioning(
+        optimizer_policy.check_partitioning(
             type(optimizer).__name__, [specs[p.key] for p in partitions if p.partition == 1],
             limit, config)
-        global_clipnorm = keras_optimizer.global_clipnorm(config)
+        global_clipnorm = optimizer_policy.global_clipnorm(config)
         clipping.check_placement(global_clipnorm, num_ps)
     except ValueError as e:
         raise invalid(str(e)) from None
-    model = Model(specs, keras_optimizer.comparable(config), optimizer, partitions, limit,
-                  loss_scaling=keras_optimizer.loss_scaling(config),
+    model = Model(specs, optimizer_policy.comparable(config), optimizer, partitions, limit,
+                  loss_scaling=optimizer_policy.loss_scaling(config),
                   global_clipnorm=global_clipnorm)
     model.parts = _make_parts(model, no_decay, ps_index)
     return model
@@ -257,7 +257,7 @@ def check_same_model(model: Model, request, max_partition_bytes: int) -> None:
                 f"name={short(e.name)}, shape={short(list(e.shape))}, dtype={e.dtype}. "
                 f"Received: name={short(s.name)}, shape={short(list(s.shape))}, "
                 f"dtype={s.dtype}")
-    config = keras_optimizer.comparable(_parse_optimizer_config(request.optimizer_config))
+    config = optimizer_policy.comparable(_parse_optimizer_config(request.optimizer_config))
     if config != model.optimizer_config:
         raise invalid(
             "The optimizer differs from the first declaration: expected "

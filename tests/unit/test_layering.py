@@ -186,12 +186,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 # Each with why it is left; a new cycle fails the test.
-CYCLES_ALLOWED = {
-    # keras_optimizer recognises tf_keras optimizers through _keras_compat (inside a
-    # function), which applies keras_optimizer's policy: both halves of one policy, to be
-    # parted when the policy's parse side moves below ps/ and engine/.
-    ("prophet_tf._keras_compat", "prophet_tf.keras_optimizer"),
-}
+CYCLES_ALLOWED: set[tuple[str, ...]] = set()
 
 
 def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():

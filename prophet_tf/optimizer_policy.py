@@ -1,0 +1,180 @@
+"""The optimizer policy: which Keras optimizers and options prophet_tf trains with.
+
+One policy for both ends, read from the serialized optimizer (the JSON of
+``keras.optimizers.serialize``) that a worker sends at Register: the worker
+checks it before it registers, the PS when it rebuilds the optimizer, so an
+optimizer is refused with the same message on either side. This module imports
+neither TensorFlow nor Keras: the PS, the engine and the tf_keras conversion
+(:mod:`prophet_tf._keras_compat`) all read it. Why these optimizers and options
+(the PS applies one partition at a time): :mod:`prophet_tf.keras_optimizer`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+__all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE",
+           "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "MAX_ECHO_CHARS",
+           "check_optimizer", "check_options", "needs_whole_variables", "check_partitioning",
+           "parse_config", "comparable", "global_clipnorm", "loss_scaling"]
+
+#: Optional top-level key of the optimizer JSON: the variable keys the worker's
+#: optimizer exempts from weight decay (``exclude_from_weight_decay`` is not
+#: part of Keras' serialized config).
+NO_WEIGHT_DECAY_KEY = "prophet_tf_no_weight_decay"
+#: Optional top-level key of the optimizer JSON: true when the workers scale
+#: the loss (a ``LossScaleOptimizer``): their gradients may overflow, and each
+#: step is applied only when every worker's gradients were finite.
+LOSS_SCALING_KEY = "prophet_tf_loss_scaling"
+
+#: Optimizers whose update of a row range depends only on that range's rows.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Ftrl",
+               "Lion")
+#: Optimizers that need a whole variable (norms/factorisations over it).
+WHOLE_VARIABLE = ("Lamb", "Adafactor")
+SUPPORTED_OPTIMIZERS = ELEMENTWISE + WHOLE_VARIABLE
+
+_ON_THE_WORKER = ("Keras does it in optimizer.apply on each worker, to that worker's own "
+                  "share of the gradient before the PS sums the shares")
+#: Optimizer options prophet_tf cannot apply exactly, with the reason.
+REFUSED_OPTIONS = {
+    "use_ema": "the moving average would be kept on each worker, apart from the "
+               "parameters the PS trains",
+    "gradient_accumulation_steps": _ON_THE_WORKER,
+}
+#: The optimizer options that clip gradients (Keras 3 and tf_keras alike).
+CLIPPING_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm")
+MAX_ECHO_CHARS = 200  # of a received config quoted in an error message
+
+
+def check_optimizer(kind: str) -> None:
+    """Refuses an optimizer class the PS cannot apply one partition at a time.
+
+    Args:
+        kind: the class name (``type(optimizer).__name__``).
+
+    Raises:
+        ValueError: ``kind`` is not in :data:`SUPPORTED_OPTIMIZERS`; names it.
+    """
+    if kind not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            "The parameter server applies the optimizer one partition at a time and "
+            f"supports the built-in Keras optimizers {list(SUPPORTED_OPTIMIZERS)}; {kind} "
+            "keeps state across variables (Nadam's u_product, LossScaleOptimizer's "
+            f"skipped iterations) or is unknown to it. Received: optimizer={kind}")
+
+
+def _options(config: dict) -> dict:
+    """The options of ``keras.optimizers.serialize(optimizer)``: its ``"config"``, or
+    ``config`` itself when given those options directly."""
+    return config.get("config", config)
+
+
+def check_options(config: dict) -> None:
+    """Refuses a serialized optimizer that sets an option of :data:`REFUSED_OPTIONS`.
+
+    Args:
+        config: ``keras.optimizers.serialize(optimizer)`` (or its ``"config"``).
+
+    Raises:
+        ValueError: names the first refused option and its value.
+    """
+    options = _options(config)
+    for option, reason in REFUSED_OPTIONS.items():
+        value = options.get(option)
+        if value:
+            raise ValueError(f"prophet_tf cannot apply the optimizer option {option}: "
+                             f"{reason}. Remove it from the optimizer. "
+                             f"Received: {option}={value!r}")
+
+
+def needs_whole_variables(config: dict) -> bool:
+    """Whether a parsed config's update reads each variable whole: a
+    :data:`WHOLE_VARIABLE` optimizer, or ``clipnorm`` (one variable's norm).
+    The workers then split only variables larger than ``max_partition_bytes``
+    instead of spreading every large one over the PS tasks."""
+    return config.get("class_name") in WHOLE_VARIABLE or bool(_options(config).get("clipnorm"))
+
+
+def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,
+                       config: dict | None = None) -> None:
+    """Refuses a whole-variable optimizer or ``clipnorm`` when a variable is split.
+
+    Args:
+        kind: the optimizer's class name.
+        split: ``VariableSpec``\\ s of the variables cut into several partitions.
+        max_partition_bytes: the limit that cut them.
+        config: the serialized optimizer (for ``clipnorm``); None: not checked.
+
+    Raises:
+        ValueError: ``kind`` is in :data:`WHOLE_VARIABLE`, or ``config`` sets
+            ``clipnorm``, and ``split`` is not empty.
+    """
+    clipnorm = _options(config or {}).get("clipnorm")
+    if split and clipnorm:
+        raise ValueError(
+            f"clipnorm clips each variable by the norm of its whole summed gradient but "
+            f"variable {split[0].key} ({split[0].name!r}) is split into row ranges, "
+            f"applied one at a time (it is larger than max_partition_bytes="
+            f"{max_partition_bytes}). Use clipvalue, or a max_partition_bytes that keeps "
+            f"every variable whole. Received: clipnorm={clipnorm!r}")
+    if split and kind in WHOLE_VARIABLE:
+        raise ValueError(
+            f"optimizer={kind} needs whole variables but variable {split[0].key} "
+            f"({split[0].name!r}) is split into row ranges (it is larger than "
+            f"max_partition_bytes={max_partition_bytes}). Use an elementwise optimizer "
+            f"({', '.join(ELEMENTWISE)}) or a larger max_partition_bytes. "
+            f"Received: optimizer={kind}")
+
+
+
+def parse_config(text: str) -> dict:
+    """The dict of a Register ``optimizer_config``, checked for shape only.
+
+    Raises:
+        ValueError: not the JSON of ``keras.optimizers.serialize()`` (with an
+            optional :data:`NO_WEIGHT_DECAY_KEY` list of ints); quotes the text.
+    """
+    try:
+        config = json.loads(text)
+        if not isinstance(config, dict) or "class_name" not in config:
+            raise ValueError("not a keras.optimizers.serialize() dict")
+        if not isinstance(config.get("config", {}), dict):
+            raise ValueError('its "config" is not a dict')
+        exempt = config.get(NO_WEIGHT_DECAY_KEY) or []
+        if not (isinstance(exempt, list) and all(type(k) is int for k in exempt)):
+            raise ValueError(f"{NO_WEIGHT_DECAY_KEY} is not a list of variable keys")
+        if type(config.get(LOSS_SCALING_KEY, False)) is not bool:
+            raise ValueError(f"{LOSS_SCALING_KEY} is not true or false")
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+        raise ValueError("optimizer_config must be the JSON of "
+                         f"keras.optimizers.serialize(optimizer) ({e}). "
+                         f"Received: optimizer_config={text[:MAX_ECHO_CHARS]!r}") from None
+    return config
+
+
+def comparable(config: dict) -> dict:
+    """The optimizer config as compared between workers (its name aside)."""
+    config = json.loads(json.dumps(config))
+    config.get("config", {}).pop("name", None)
+    return config
+
+
+def global_clipnorm(config: dict) -> float | None:
+    """The ``global_clipnorm`` of a parsed config (None: not set).
+
+    Raises:
+        ValueError: it is set and not a positive number; names the value.
+    """
+    value = config.get("config", {}).get("global_clipnorm")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"global_clipnorm must be a positive number. "
+                         f"Received: global_clipnorm={value!r}")
+    return float(value)
+
+
+def loss_scaling(config: dict) -> bool:
+    """Whether the workers of a parsed config scale their loss (:data:`LOSS_SCALING_KEY`)."""
+    return bool(config.get(LOSS_SCALING_KEY, False))

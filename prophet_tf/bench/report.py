@@ -21,7 +21,8 @@ and off: a row per run and scheduler) and ``phases`` (a bench result's
 ``step_events`` of ``benchmarks/timeline_breakdown.py --json``: where in
 the step its exchange ends, run by run) and ``flowshare`` (a
 ``benchmarks/flow_share.py`` result: how evenly connections shared a
-shaped link, message by message). Paths are relative to the Markdown file. The tests run
+shaped link, message by message) and ``environment`` (the user guide's
+environment variables, from ``prophet_tf.environment`` instead of JSON). Paths are relative to the Markdown file. The tests run
 ``--check`` on the README, so a table can never drift from its data.
 """
 from __future__ import annotations
@@ -361,7 +362,7 @@ def flow_share_table(result: dict) -> str:
 _KINDS = {"bench": bench_table, "suite": suite_table, "targets": targets_table,
           "validate": validate_table,
           "runs": runs_table, "phases": phases_table, "events": events_table,
-          "flowshare": flow_share_table}
+          "flowshare": flow_share_table, "environment": None}
 
 
 def render(markdown: str, base: str) -> str:
@@ -375,6 +376,13 @@ def render(markdown: str, base: str) -> str:
         if kind not in _KINDS:
             raise ValueError(f"unknown table kind; valid: {', '.join(_KINDS)}. "
                              f"Received: {kind!r} for {path}")
+        if kind == "environment":  # from the module that declares the variables
+            from prophet_tf import environment
+
+            if path != environment.__name__:
+                raise ValueError(f"an environment table comes from {environment.__name__}. "
+                                 f"Received: {path!r}")
+            return match.group(1) + environment.markdown_table() + match.group(5)
         if kind == "runs":  # a glob: several files, in name order
             paths = sorted(glob.glob(os.path.join(base, path)))
             if not paths:

@@ -1,6 +1,7 @@
 """Every PROPHET_TF_* variable is declared once (prophet_tf/environment.py), read by the
 module it names, and listed in the user guide's table: no name typed twice, no variable
-the docs miss."""
+the docs miss (the guide's table is rendered from the declarations:
+test_report.py checks it is up to date)."""
 import ast
 import fnmatch
 import pathlib
@@ -33,14 +34,15 @@ def test_every_name_is_declared_once_and_typed_nowhere_else():
 
 
 def test_each_variable_is_read_by_the_module_it_names():
-    for name, (module, meaning) in environment.VARIABLES.items():
-        source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
-        assert f"environment.{_constants()[name]}" in source, (name, module)
-        assert meaning
+    for name, v in environment.VARIABLES.items():
+        source = (ROOT / (v.module.replace(".", "/") + ".py")).read_text()
+        assert f"environment.{_constants()[name]}" in source, (name, v.module)
+        assert v.read_by and v.meaning
 
 
 def test_the_guides_table_lists_exactly_the_declared_variables():
     guide = (ROOT / "docs" / "guide.md").read_text()
+    assert "<!-- table: environment prophet_tf.environment -->" in guide
     section = guide.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     listed = set()

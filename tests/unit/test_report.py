@@ -154,6 +154,9 @@ def test_bad_markers_name_what_was_received(tmp_path):
     assert report.main([str(md)]) == 2
     md.write_text("<!-- table: bench missing.json -->\n<!-- end table -->\n")
     assert report.main([str(md), "--check"]) == 2
+    md.write_text("<!-- table: environment os.environ -->\n<!-- end table -->\n")
+    with pytest.raises(ValueError, match="'os.environ'"):
+        report.render(md.read_text(), str(tmp_path))
 
 
 def test_a_runs_table_has_a_row_per_run_and_scheduler_of_one_configuration(tmp_path):

@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+from prophet_tf import lean_keras
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 FRAMEWORKS = ("prophet", "tf-mwms", "local")
@@ -89,6 +91,7 @@ def _timer_callback(base):
 
 def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    lean_keras.skip_keras_integrations()  # Before TensorFlow imports Keras: unused here.
     import tensorflow as tf
 
     from prophet_tf.bench import models

@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from prophet_tf import codec
-from prophet_tf import environment
+from prophet_tf import environment, lean_keras
 from prophet_tf.ps import protocol, security, sharding
 from prophet_tf.ps.protocol import MAX_MESSAGE_BYTES, SERVICE_NAME, server_options
 from prophet_tf.ps.trace import PSTrace
@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
 
+    # The PS uses Keras' optimizers only: not its scikit-learn or plotting integrations.
+    lean_keras.skip_keras_integrations()
     from prophet_tf.ps.servicer import ParameterServerServicer  # imports TF: seconds
 
     failed = threading.Event()

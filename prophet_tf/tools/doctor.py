@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Callable
 
+from prophet_tf import lean_keras
+
 
 @dataclasses.dataclass
 class Check:
@@ -263,4 +265,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive. Received: {args.timeout}")
+    lean_keras.skip_keras_integrations()  # It imports TensorFlow to list devices only.
     return run(args.timeout)

@@ -17,9 +17,13 @@ import faulthandler
 import os
 import sys
 
-import tensorflow as tf
+from prophet_tf.lean_keras import skip_keras_integrations  # noqa: E402
 
-import keras_worker as kw
+skip_keras_integrations()  # Keras' scikit-learn and plotting integrations: unused here
+
+import tensorflow as tf  # noqa: E402
+
+import keras_worker as kw  # noqa: E402
 
 
 def main(argv=None) -> int:

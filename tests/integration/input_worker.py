@@ -32,6 +32,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from prophet_tf.lean_keras import skip_keras_integrations  # noqa: E402
+
+skip_keras_integrations()  # Keras' scikit-learn and plotting integrations: unused here
+
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 

@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 
 from prophet_tf import cluster as cluster_lib
-from prophet_tf import codec, environment, keras_optimizer, progress
+from prophet_tf import codec, environment, optimizer_policy, progress
 from prophet_tf.engine import liveness, schedulers
 from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.engine import timeline as timeline_lib
@@ -165,8 +165,8 @@ class Engine:
         self._specs = specs = variable_specs(variables)
         scheduler = schedulers.make_scheduler(self.scheduler_name, **self.scheduler_options)
         # Optimizers (and clipnorm) that need whole variables keep them whole on one PS.
-        whole = keras_optimizer.needs_whole_variables(
-            keras_optimizer.parse_config(optimizer_config))
+        whole = optimizer_policy.needs_whole_variables(
+            optimizer_policy.parse_config(optimizer_config))
         self._dispatch = dispatch = Dispatch([v.native_key for v in variables], specs,
                                              self.config.num_ps, scheduler, balance=not whole)
         self._assembler = Assembler(self._native, dispatch)

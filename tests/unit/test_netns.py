@@ -54,7 +54,9 @@ def test_network_is_shaped_and_removed(host_queue):
             print("ready", flush=True)
             c, _ = s.accept(); n = 0
             while d := c.recv(1 << 16): n += len(d)
-            print(n, flush=True)""")]), stdout=subprocess.PIPE, text=True)
+            print(n, flush=True)
+            input()  # Stays in its namespace until killed: its interface is read after.
+            """)]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert server.stdout.readline().strip() == "ready"
             received_before, _ = netns.interface_bytes(server.pid)

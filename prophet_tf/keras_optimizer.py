@@ -8,7 +8,8 @@ PS's rebuilt optimizer.
 The PS applies the optimizer one partition at a time: before the update of a
 partition for iteration k it sets the iteration counter to k and calls
 ``optimizer.apply`` for that partition alone, so what it supports is decided by
-what such an update cannot see:
+what such an update cannot see (the names are
+:mod:`prophet_tf.optimizer_policy`'s):
 
 * :data:`ELEMENTWISE` optimizers update a row range from that range's rows
   only: exact on any partitioning.
@@ -52,12 +53,8 @@ import json
 from typing import Sequence
 
 from prophet_tf import _keras_compat
-# The policy's names, read here by the worker's code and users' scripts too.
-from prophet_tf.optimizer_policy import (  # noqa: F401
-    CLIPPING_OPTIONS, ELEMENTWISE, LOSS_SCALING_KEY, MAX_ECHO_CHARS, NO_WEIGHT_DECAY_KEY,
-    REFUSED_OPTIONS, SUPPORTED_OPTIMIZERS, WHOLE_VARIABLE, check_optimizer, check_options,
-    check_partitioning, comparable, global_clipnorm, loss_scaling, needs_whole_variables,
-    parse_config)
+from prophet_tf.optimizer_policy import (CLIPPING_OPTIONS, LOSS_SCALING_KEY, MAX_ECHO_CHARS,
+                                         NO_WEIGHT_DECAY_KEY, check_optimizer, check_options)
 
 __all__ = ["config_json", "rebuild", "clips", "clip_on_the_ps", "clipped_on_the_ps",
            "check_worker_clipping"]

@@ -127,7 +127,6 @@ def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,
             f"Received: optimizer={kind}")
 
 
-
 def parse_config(text: str) -> dict:
     """The dict of a Register ``optimizer_config``, checked for shape only.
 

@@ -21,9 +21,11 @@ and off: a row per run and scheduler) and ``phases`` (a bench result's
 ``step_events`` of ``benchmarks/timeline_breakdown.py --json``: where in
 the step its exchange ends, run by run) and ``flowshare`` (a
 ``benchmarks/flow_share.py`` result: how evenly connections shared a
-shaped link, message by message) and ``environment`` (the user guide's
-environment variables, from ``prophet_tf.environment`` instead of JSON). Paths are relative to the Markdown file. The tests run
-``--check`` on the README, so a table can never drift from its data.
+shaped link, message by message). Paths are relative to the Markdown file.
+One kind names a module instead of JSON: ``environment`` (the user guide's
+environment variables, ``<!-- table: environment prophet_tf.environment -->``).
+The tests run ``--check`` on every Markdown file, so a table can never drift
+from its data.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ import re
 import sys
 
 __all__ = ["bench_table", "events_table", "flow_share_table", "phases_table", "runs_table",
-           "suite_table", "targets_table", "validate_table", "render", "main"]
+           "suite_table", "targets_table", "validate_table", "environment_table", "render",
+           "main"]
 
 _BLOCK = re.compile(r"(<!-- table: (\w+) (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
@@ -362,7 +365,21 @@ def flow_share_table(result: dict) -> str:
 _KINDS = {"bench": bench_table, "suite": suite_table, "targets": targets_table,
           "validate": validate_table,
           "runs": runs_table, "phases": phases_table, "events": events_table,
-          "flowshare": flow_share_table, "environment": None}
+          "flowshare": flow_share_table}
+
+
+def environment_table(module: str) -> str:
+    """The environment variables' table, from the module that declares them."""
+    from prophet_tf import environment
+
+    if module != environment.__name__:
+        raise ValueError(f"an environment table comes from {environment.__name__}. "
+                         f"Received: {module!r}")
+    return environment.markdown_table()
+
+
+# Kinds rendered from a module named in the marker, not from a JSON file.
+_MODULE_KINDS = {"environment": environment_table}
 
 
 def render(markdown: str, base: str) -> str:
@@ -373,16 +390,11 @@ def render(markdown: str, base: str) -> str:
     """
     def one(match):
         kind, path = match.group(2), match.group(3)
+        if kind in _MODULE_KINDS:
+            return match.group(1) + _MODULE_KINDS[kind](path) + match.group(5)
         if kind not in _KINDS:
-            raise ValueError(f"unknown table kind; valid: {', '.join(_KINDS)}. "
+            raise ValueError(f"unknown table kind; valid: {', '.join([*_KINDS, *_MODULE_KINDS])}. "
                              f"Received: {kind!r} for {path}")
-        if kind == "environment":  # from the module that declares the variables
-            from prophet_tf import environment
-
-            if path != environment.__name__:
-                raise ValueError(f"an environment table comes from {environment.__name__}. "
-                                 f"Received: {path!r}")
-            return match.group(1) + environment.markdown_table() + match.group(5)
         if kind == "runs":  # a glob: several files, in name order
             paths = sorted(glob.glob(os.path.join(base, path)))
             if not paths:

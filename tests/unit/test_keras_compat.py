@@ -22,7 +22,7 @@ from prophet_tf import _keras_compat  # noqa: E402
 from prophet_tf import keras_optimizer  # noqa: E402
 from prophet_tf import strategy as strategy_lib  # noqa: E402
 from prophet_tf import strategy_checks  # noqa: E402
-from prophet_tf.keras_optimizer import NO_WEIGHT_DECAY_KEY  # noqa: E402
+from prophet_tf.optimizer_policy import NO_WEIGHT_DECAY_KEY  # noqa: E402
 from prophet_tf.ps.servicer import ParameterServerServicer  # noqa: E402
 from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
 

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from prophet_tf import keras_optimizer
+from prophet_tf import keras_optimizer, optimizer_policy
 from prophet_tf.ps.v1 import ps_pb2
 from test_servicer import (SHAPES, Context, expect_abort, grad_chunks,  # noqa: F401
                            initial, make_servicer, pull, push, register, specs)
@@ -124,9 +124,9 @@ def test_workers_must_agree_on_loss_scaling(make_servicer):
 
 def test_the_loss_scaling_mark_is_checked_like_the_rest_of_the_config():
     text = keras_optimizer.config_json(keras.optimizers.SGD(1.0), loss_scaling=True)
-    assert json.loads(text)[keras_optimizer.LOSS_SCALING_KEY] is True
-    assert keras_optimizer.loss_scaling(keras_optimizer.parse_config(text))
+    assert json.loads(text)[optimizer_policy.LOSS_SCALING_KEY] is True
+    assert optimizer_policy.loss_scaling(optimizer_policy.parse_config(text))
     bad = json.loads(text)
-    bad[keras_optimizer.LOSS_SCALING_KEY] = "yes"
+    bad[optimizer_policy.LOSS_SCALING_KEY] = "yes"
     with pytest.raises(ValueError, match="prophet_tf_loss_scaling is not true or false"):
-        keras_optimizer.parse_config(json.dumps(bad))
+        optimizer_policy.parse_config(json.dumps(bad))

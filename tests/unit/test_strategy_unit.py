@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from prophet_tf import keras_optimizer
+from prophet_tf import keras_optimizer, optimizer_policy
 from prophet_tf import strategy as strategy_lib
 from prophet_tf.strategy import Strategy, split_batches
 
@@ -411,13 +411,13 @@ def test_clipnorm_keeps_variables_whole_as_whole_variable_optimizers_do():
     import json
 
     import keras
-    parse = lambda o: keras_optimizer.parse_config(keras_optimizer.config_json(o))  # noqa: E731
-    assert keras_optimizer.needs_whole_variables(parse(keras.optimizers.SGD(0.1, clipnorm=1.0)))
-    assert keras_optimizer.needs_whole_variables(parse(keras.optimizers.Lamb()))
-    assert not keras_optimizer.needs_whole_variables(
+    parse = lambda o: optimizer_policy.parse_config(keras_optimizer.config_json(o))  # noqa: E731
+    assert optimizer_policy.needs_whole_variables(parse(keras.optimizers.SGD(0.1, clipnorm=1.0)))
+    assert optimizer_policy.needs_whole_variables(parse(keras.optimizers.Lamb()))
+    assert not optimizer_policy.needs_whole_variables(
         parse(keras.optimizers.SGD(0.1, clipvalue=1.0)))
     assert json.dumps(parse(keras.optimizers.Adam()))  # Plain: spread over the PS tasks.
-    assert not keras_optimizer.needs_whole_variables(parse(keras.optimizers.Adam()))
+    assert not optimizer_policy.needs_whole_variables(parse(keras.optimizers.Adam()))
 
 
 def test_a_loss_scale_optimizer_s_inner_optimizer_leaves_clipping_to_the_ps():

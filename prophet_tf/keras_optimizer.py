@@ -1,24 +1,8 @@
-"""Which Keras optimizers prophet_tf trains with, and their Register config.
+"""The Keras side of the optimizer policy: the Register config, clipping, the rebuilt optimizer.
 
-Why the policy (:mod:`prophet_tf.optimizer_policy`, which both ends check: the
-worker before it registers, the PS when it rebuilds the optimizer) is what it
-is, and the Keras side of it: the worker's serialized config and clipping, the
-PS's rebuilt optimizer.
-
-The PS applies the optimizer one partition at a time: before the update of a
-partition for iteration k it sets the iteration counter to k and calls
-``optimizer.apply`` for that partition alone, so what it supports is decided by
-what such an update cannot see (the names are
-:mod:`prophet_tf.optimizer_policy`'s):
-
-* :data:`ELEMENTWISE` optimizers update a row range from that range's rows
-  only: exact on any partitioning.
-* :data:`WHOLE_VARIABLE` optimizers (norms or factorisations over a tensor)
-  are exact only while no variable is split into row ranges; the PS checks
-  that at Register (:func:`check_partitioning`).
-* Anything else is refused. ``Nadam`` keeps one ``u_product`` for all
-  variables and advances it at every ``apply``: applied per partition it would
-  advance once per partition instead of once per iteration.
+The policy itself, which both ends check (the worker before it registers, the
+PS when it rebuilds the optimizer), is :mod:`prophet_tf.optimizer_policy`; the
+names below without a module are its.
 
 A ``LossScaleOptimizer`` (the ``mixed_float16`` policy) is not itself sent:
 the worker pushes the unscaled gradients for its inner optimizer and marks the
@@ -38,11 +22,6 @@ refuses a split one (:func:`check_partitioning`).
 ``global_clipnorm`` needs one norm over every partition's summed gradient: the
 PS's optimizer is rebuilt without it and :mod:`prophet_tf.ps.clipping` scales
 each step's sums once all are complete (one PS task only).
-
-Options refused (:data:`REFUSED_OPTIONS`): Keras accumulates gradients and
-keeps the moving average inside ``optimizer.apply`` on the worker, before its
-gradient reaches the PS, so each worker would do it on its own share of the
-gradient rather than on the sum of all workers'.
 
 This module imports neither TensorFlow nor Keras at import time; Keras is
 imported inside the functions that need it.

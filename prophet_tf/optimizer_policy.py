@@ -5,8 +5,27 @@ One policy for both ends, read from the serialized optimizer (the JSON of
 checks it before it registers, the PS when it rebuilds the optimizer, so an
 optimizer is refused with the same message on either side. This module imports
 neither TensorFlow nor Keras: the PS, the engine and the tf_keras conversion
-(:mod:`prophet_tf._keras_compat`) all read it. Why these optimizers and options
-(the PS applies one partition at a time): :mod:`prophet_tf.keras_optimizer`.
+(:mod:`prophet_tf._keras_compat`) all read it; :mod:`prophet_tf.keras_optimizer`
+is its Keras side.
+
+The PS applies the optimizer one partition at a time: before the update of a
+partition for iteration k it sets the iteration counter to k and calls
+``optimizer.apply`` for that partition alone, so what it supports is decided by
+what such an update cannot see:
+
+* :data:`ELEMENTWISE` optimizers update a row range from that range's rows
+  only: exact on any partitioning.
+* :data:`WHOLE_VARIABLE` optimizers (norms or factorisations over a tensor)
+  are exact only while no variable is split into row ranges; the PS checks
+  that at Register (:func:`check_partitioning`).
+* Anything else is refused. ``Nadam`` keeps one ``u_product`` for all
+  variables and advances it at every ``apply``: applied per partition it would
+  advance once per partition instead of once per iteration.
+
+Options refused (:data:`REFUSED_OPTIONS`): Keras accumulates gradients and
+keeps the moving average inside ``optimizer.apply`` on the worker, before its
+gradient reaches the PS, so each worker would do it on its own share of the
+gradient rather than on the sum of all workers'.
 """
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """The Keras side of the optimizer policy: the Register config, clipping, the rebuilt optimizer.
 
 The policy itself, which both ends check (the worker before it registers, the
-PS when it rebuilds the optimizer), is :mod:`prophet_tf.optimizer_policy`; the
-names below without a module are its.
+PS when it rebuilds the optimizer), is :mod:`prophet_tf.optimizer_policy`
+(``LOSS_SCALING_KEY``, ``needs_whole_variables`` and ``check_partitioning``
+below are its).
 
 A ``LossScaleOptimizer`` (the ``mixed_float16`` policy) is not itself sent:
 the worker pushes the unscaled gradients for its inner optimizer and marks the
-config with :data:`LOSS_SCALING_KEY`, so the PS accepts non-finite gradients
+config with ``LOSS_SCALING_KEY``, so the PS accepts non-finite gradients
 and applies or skips each step as all workers' verdict says
 (:mod:`prophet_tf.loss_scaling`).
 
@@ -16,8 +17,8 @@ does not clip (:func:`clip_on_the_ps`) and the PS's rebuilt optimizer clips
 inside its ``optimizer.apply`` of each partition. ``clipvalue`` is element-wise,
 so exact on any partitioning; ``clipnorm`` takes one variable's norm, so it is
 exact while no variable is split into row ranges: the workers keep variables up
-to ``max_partition_bytes`` whole (:func:`needs_whole_variables`) and the PS
-refuses a split one (:func:`check_partitioning`).
+to ``max_partition_bytes`` whole (``needs_whole_variables``) and the PS
+refuses a split one (``check_partitioning``).
 
 ``global_clipnorm`` needs one norm over every partition's summed gradient: the
 PS's optimizer is rebuilt without it and :mod:`prophet_tf.ps.clipping` scales
@@ -55,7 +56,7 @@ def config_json(optimizer, variables: Sequence | None = None, *,
     ``loss_scale_factor`` is left out: the worker's ``optimizer.apply``
     unscales the gradient before it is pushed, so the PS must not again.
     ``loss_scaling``: the worker's optimizer is the inner optimizer of a
-    ``LossScaleOptimizer`` (recorded under :data:`LOSS_SCALING_KEY`).
+    ``LossScaleOptimizer`` (recorded under ``LOSS_SCALING_KEY``).
 
     A tf_keras (Keras 2) optimizer is described as the equivalent Keras 3
     optimizer (``prophet_tf._keras_compat``): the PS only knows Keras 3.

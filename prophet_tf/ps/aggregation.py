@@ -44,7 +44,6 @@ from __future__ import annotations
 import math
 
 import grpc
-import keras
 import numpy as np
 
 from prophet_tf import codec
@@ -98,8 +97,7 @@ def check_content(request, model: registration.Model, parts: dict, ps_index: int
         if not math.isfinite(learning_rate) or learning_rate < 0:
             raise invalid("learning_rate must be a finite number >= 0. "
                           f"Received: learning_rate={learning_rate}")
-        if isinstance(model.optimizer._learning_rate,
-                      keras.optimizers.schedules.LearningRateSchedule):
+        if model.learning_rate_is_schedule:
             raise invalid("The optimizer's learning rate is a schedule; a worker "
                           f"cannot set it. Received: learning_rate={learning_rate}")
     return chunks, learning_rate

@@ -26,7 +26,6 @@ import threading
 from typing import Callable
 
 import numpy as np
-import tensorflow as tf
 
 from prophet_tf.ps import aggregation, protocol
 
@@ -139,11 +138,11 @@ class Applier:
             self._current_learning_rate = learning_rate
         if part.apply_fn is None:
             part.apply_fn = self._trace(part)
-        return np.asarray(part.apply_fn(tf.constant(total.reshape(part.shape)),
-                                        tf.constant(optimizer_iteration, tf.int64)).numpy())
+        return part.apply_fn(total.reshape(part.shape), optimizer_iteration)
 
-    def _trace(self, part):
-        """The optimizer update of one partition as a tf.function.
+    def _trace(self, part) -> Callable[[np.ndarray, int], np.ndarray]:
+        """The optimizer update of one partition as a tf.function: (sum,
+        optimizer iteration) -> the partition's new value.
 
         Traced once per partition (tens of ms), it then costs a fraction of
         eager Keras' Python overhead per call (about 4x less for Adam) and
@@ -151,6 +150,8 @@ class Applier:
         concrete function is called, not the ``tf.function``: that skips the
         dispatch on the arguments, about 0.4 ms of 0.9 per small partition.
         """
+        import tensorflow as tf  # loaded by the first Register (registration.load_keras)
+
         optimizer, variable = self._optimizer, part.variable
 
         def apply(gradient, iteration):
@@ -163,4 +164,6 @@ class Applier:
             tf.TensorSpec(part.shape, sum_dtype), tf.TensorSpec((), tf.int64)])
         # One trace per partition is by design; TF would warn about "retracing".
         fn._omit_frequent_tracing_warning = True
-        return fn.get_concrete_function()
+        concrete = fn.get_concrete_function()
+        return lambda total, iteration: np.asarray(
+            concrete(tf.constant(total), tf.constant(iteration, tf.int64)).numpy())

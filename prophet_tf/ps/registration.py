@@ -9,6 +9,11 @@ of this PS's partitions with its Register.
 The optimizer is rebuilt from the declared config under the one optimizer
 policy (:mod:`prophet_tf.optimizer_policy`), one ``keras.Variable`` per owned
 partition. Variable constraints are not carried over (not in the spec).
+
+Keras, and TensorFlow under it, is imported by the first Register
+(:func:`load_keras`), not with this module: a PS task listens, answers health
+checks and watches for its workers without it, and one whose job never
+starts spends no seconds of CPU and no hundreds of MB on it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import math
 import os
 
 import grpc
-import keras
 import numpy as np
 
 from prophet_tf import codec, keras_optimizer, optimizer_policy
@@ -27,7 +31,7 @@ from prophet_tf.ps import clipping, sharding
 from prophet_tf.ps.errors import RpcError, invalid, short
 from prophet_tf.ps.v1 import ps_pb2
 
-__all__ = ["Part", "Model", "check_request", "define_model", "check_same_model",
+__all__ = ["Part", "Model", "load_keras", "check_request", "define_model", "check_same_model",
            "check_initial_values", "not_found", "pulled_parts", "check_chunk_bytes"]
 
 # Bounds on one declaration, checked before anything is planned or allocated.
@@ -72,6 +76,15 @@ class Model:
     loss_scaling: bool = False
     # Every step's sums are scaled by one norm before the apply (clipping.py).
     global_clipnorm: float | None = None
+    # The learning rate follows a schedule: a worker may not set it.
+    learning_rate_is_schedule: bool = False
+
+
+def load_keras() -> None:
+    """Imports Keras (and TensorFlow), which defining a model needs; seconds the
+    first time. Called before the state lock is taken, so that heartbeats and
+    other workers' calls are not held up by an import."""
+    import keras  # noqa: F401  (the first call imports it; later ones find it)
 
 
 def check_request(request, num_workers: int, num_ps: int, max_partition_bytes: int) -> None:
@@ -212,14 +225,20 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
         clipping.check_placement(global_clipnorm, num_ps)
     except ValueError as e:
         raise invalid(str(e)) from None
+    import keras
+
     model = Model(specs, optimizer_policy.comparable(config), optimizer, partitions, limit,
                   loss_scaling=optimizer_policy.loss_scaling(config),
-                  global_clipnorm=global_clipnorm)
+                  global_clipnorm=global_clipnorm,
+                  learning_rate_is_schedule=isinstance(
+                      optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule))
     model.parts = _make_parts(model, no_decay, ps_index)
     return model
 
 
 def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
+    import keras
+
     parts = {}
     for p in sharding.owned_by(model.partitions, ps_index):
         spec = model.specs[p.key]

@@ -36,6 +36,7 @@ from prophet_tf import codec
 from prophet_tf import environment, lean_keras
 from prophet_tf.ps import protocol, security, sharding
 from prophet_tf.ps.protocol import MAX_MESSAGE_BYTES, SERVICE_NAME, server_options
+from prophet_tf.ps.servicer import ParameterServerServicer
 from prophet_tf.ps.trace import PSTrace
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -297,9 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
 
-    # The PS uses Keras' optimizers only: not its scikit-learn or plotting integrations.
+    # The first Register imports Keras (registration.py), for its optimizers only:
+    # not its scikit-learn or plotting integrations.
     lean_keras.skip_keras_integrations()
-    from prophet_tf.ps.servicer import ParameterServerServicer  # imports TF: seconds
 
     failed = threading.Event()
     trace = PSTrace(ps_index) if args.timeline else None

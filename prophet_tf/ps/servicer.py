@@ -103,9 +103,7 @@ class ParameterServerServicer(KerasRPCs):
             raise ValueError(f"worker_timeout_s must be > 0. Received: {worker_timeout_s!r}")
         if not startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0. Received: {startup_timeout_s!r}")
-        self.num_workers = num_workers
-        self.ps_index = ps_index
-        self.num_ps = num_ps
+        self.num_workers, self.ps_index, self.num_ps = num_workers, ps_index, num_ps
         self.max_partition_bytes = max_partition_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self.worker_timeout_s = float(worker_timeout_s)
@@ -218,6 +216,7 @@ class ParameterServerServicer(KerasRPCs):
     def _register(self, request):
         registration.check_request(request, self.num_workers, self.num_ps,
                                    self.max_partition_bytes)
+        registration.load_keras()  # outside the state lock: seconds the first time
         with self._lock:
             model = self._model
             if model is None:  # validates; installs nothing yet

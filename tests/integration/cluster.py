@@ -32,7 +32,7 @@ from prophet_tf import cluster as cluster_lib
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 KERAS_WORKER = HERE / "keras_worker.py"
-START_TIMEOUT = 120.0  # importing TensorFlow on a busy 2-core machine
+START_TIMEOUT = 120.0  # a PS task starting on a busy 2-core machine
 # One TensorFlow thread of each kind: 2 cores are shared by every task of a cluster.
 ONE_TF_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
 

@@ -191,6 +191,33 @@ def _connections_to(port: int) -> set[str]:
     return ends
 
 
+def _loaded_tensorflow(pid: int) -> bool:
+    """Whether process `pid` has TensorFlow's native library mapped."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return "_pywrap_tensorflow_internal" in maps.read()
+
+
+@pytest.mark.timeout(120)
+def test_the_first_register_imports_tensorflow_not_the_start(start_ps):
+    """A PS task serves health checks, and rejects a malformed declaration, without
+    TensorFlow (seconds of CPU per task whose job never starts); the first model
+    declared loads it."""
+    ps = start_ps("--num-workers", "1", "--max-partition-bytes", str(LIMIT))
+    with ps_client.PSClient(ps.address, 0, 1) as client:
+        client.wait_ready(60)
+        error = ps_helpers.rpc_error(lambda: client._register(ps_pb2.RegisterRequest(
+            worker_id=0, num_workers=2, variables=SPECS, optimizer_config=SGD1), timeout=30))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert not _loaded_tensorflow(ps.proc.pid)
+        initial = {k: np.ones(s, np.float32) for k, (_, s) in SHAPES.items()}
+        client.register(SPECS, SGD1, initial, max_partition_bytes=LIMIT, timeout=60)
+        assert _loaded_tensorflow(ps.proc.pid)
+        push_step(client, 0)
+        values, versions = pull_all(client, 1)
+        assert versions == {1}
+        np.testing.assert_array_equal(values[1], 1 - grads(0, 0)[1])
+
+
 @pytest.mark.timeout(60)
 def test_pushes_travel_on_a_connection_of_their_own(start_ps):
     """A push's answer must not queue behind pulled parameters in the buffers

@@ -199,7 +199,7 @@ def test_run_eagerly_warns_and_trains(runs):
 @pytest.mark.timeout(150)
 def test_workers_with_different_models_both_fail_naming_the_variable(start_ps, tmp_path):
     """Worker i builds a hidden layer of 8 + i units: no hang, both exit non-zero."""
-    rpc_timeout = 8.0
+    rpc_timeout = 30.0  # the first Register also imports TensorFlow on the PS
     ps = start_ps("--num-workers", "2")
     config = dict(CONFIGS["sgd"], watchdog=60.0)
     argv = [sys.executable, str(KERAS_WORKER), *CLUSTERS.worker_args(config, tmp_path / "out"),

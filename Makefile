@@ -16,9 +16,10 @@ STAMP := $(VENV)/.prophet_tf-installed
 demo: build
 	$(PY) -m prophet_tf launch --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
-# One pytest process per core (at most 4): a test module's tests stay in one
-# process, so the clusters they share are started once.
-TEST_PROCESSES ?= auto
+# One pytest process per core and one more (at most 4): a test module's tests stay
+# in one process, so the clusters they share are started once, and the extra
+# process runs while the others' tests wait on their clusters' timeouts and sleeps.
+TEST_PROCESSES ?= $(shell echo $$(( $$(nproc) + 1 )))
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --maxprocesses 4 \
 	--dist loadfile --durations=15
 

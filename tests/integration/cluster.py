@@ -201,6 +201,11 @@ BATCH = 4  # per worker
 RTOL = 1e-5
 
 
+def steps_per_epoch(config: dict) -> list[int]:
+    """The steps of each epoch of a KerasClusters config."""
+    return [config.get("steps", STEPS)] * config.get("epochs", 1)
+
+
 @dataclasses.dataclass
 class Run:
     """One finished (or timed out) `prophet-tf launch` of keras_worker.py."""

@@ -9,7 +9,8 @@ A cluster is started once per configuration and shared by the tests that look
 at it (clusters are the expensive part: each task imports TensorFlow):
 
   sgd       2 workers, 1 PS, MLP, numpy arrays, global_clipnorm
-  momentum  2 workers, 1 PS, MLP, tf.data.Dataset, clipnorm
+  momentum  2 workers, 1 PS, MLP, tf.data.Dataset, clipnorm, LearningRateScheduler over
+            3 epochs of 3 steps
   rounds    2 workers, 2 PS, CNN, keras.utils.PyDataset (variables on both PS tasks), Adam
             with clipnorm (each variable whole on one PS task): fit, evaluate, predict, fit
             again (the first fit's weights are kept too)
@@ -30,21 +31,20 @@ import pytest
 
 from cluster import (KERAS_WORKER, STEPS, KerasClusters, WorkerProcesses,
                      assert_batchnorm_keeps_local_statistics, assert_close,
-                     assert_reads_see_latest_parameters, misuse_case)
+                     assert_reads_see_latest_parameters, misuse_case, steps_per_epoch)
 
 CLUSTER_TIMEOUT = 150.0  # whole launch, TensorFlow imports included, on a busy 2-core box
 WATCHDOG = 90.0  # a worker prints its stacks and exits after this long
 
 CONFIGS = {
     "sgd": dict(workers=2, ps=1, optimizer="sgd+global_clipnorm", model="mlp", data="numpy"),
-    # Clipping rides on these: the PS clips the summed gradient.
+    # Clipping rides on these: the PS clips the summed gradient. A learning rate set by
+    # a callback on the workers rides on momentum.
     "momentum": dict(workers=2, ps=1, optimizer="momentum+clipnorm", model="mlp",
-                     data="dataset"),
+                     data="dataset", epochs=3, steps=3, lr_callback=True),
     "schedule": dict(workers=2, ps=2, optimizer="schedule+clipvalue", model="mlp",
                      data="numpy"),
     "bn": dict(workers=2, ps=1, optimizer="adam", model="bn", data="numpy", epochs=3, steps=4),
-    "lr_callback": dict(workers=2, ps=1, optimizer="momentum", model="mlp", data="numpy",
-                        epochs=3, steps=3, lr_callback=True),
     # fit -> evaluate -> predict -> fit, run twice (see test_fit_evaluate_predict_fit...).
     "rounds": dict(workers=2, ps=2, optimizer="adam+clipnorm", model="cnn", data="pydataset",
                    rounds=2),
@@ -76,7 +76,7 @@ def first_fit(runs, name):
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "schedule"])
 def test_weights_equal_single_process_training(runs, name):
-    """After 6 steps on 2 workers at batch b: plain Keras at batch 2b, on both workers."""
+    """After 6 or 9 steps on 2 workers at batch b: plain Keras at batch 2b, on both workers."""
     run, tag, single = first_fit(runs, name)
     run.check_ok()
     expected = single["trainable"]
@@ -88,7 +88,7 @@ def test_weights_equal_single_process_training(runs, name):
     for a, b in zip(run.trainable(0, tag), run.trainable(1, tag)):
         np.testing.assert_array_equal(a, b)  # Both pulled the same bytes.
     info = run.info(0)
-    assert info["steps_per_epoch"] == [STEPS]
+    assert info["steps_per_epoch"] == steps_per_epoch(run.config)
     if "+" in run.config["optimizer"]:  # The clipping changed the result: it clipped.
         unclipped = reference(run.config, optimizer=run.config["optimizer"].split("+")[0],
                               rounds=1 if tag else run.config.get("rounds", 1))
@@ -118,14 +118,14 @@ def test_fit_evaluate_predict_fit_on_a_pydataset_ends_cleanly_and_exact(runs, tm
 @pytest.mark.timeout(CLUSTER_TIMEOUT + 60)
 def test_learning_rate_callback_reaches_the_ps(runs):
     """LearningRateScheduler changes the rate on the workers; the PS must train with it."""
-    run = runs("lr_callback")
+    run = runs("momentum")
     run.check_ok()
     expected = reference(run.config)["trainable"]
     without = reference({**run.config, "lr_callback": False})["trainable"]
     assert any(not np.allclose(e, w, rtol=1e-4) for e, w in zip(expected, without))
     for index in range(run.config["workers"]):
         for j, (a, e) in enumerate(zip(run.trainable(index), expected)):
-            assert_close(a, e, f"lr_callback: worker {index}, trainable variable {j}")
+            assert_close(a, e, f"momentum: worker {index}, trainable variable {j}")
 
 
 # -- 2. BatchNorm --------------------------------------------------------------------------
@@ -157,10 +157,10 @@ def test_dataset_kinds_split_the_global_batch(runs, kind, name):
     assert run.config["data"] == kind
     run.check_ok()
     steps = [run.info(i)["steps_per_epoch"] for i in range(run.config["workers"])]
-    assert steps == [[STEPS]] * run.config["workers"], steps
+    assert steps == [steps_per_epoch(run.config)] * run.config["workers"], steps
     for j, (a, b) in enumerate(zip(run.trainable(0, tag), run.trainable(1, tag))):
         np.testing.assert_array_equal(a, b, err_msg=f"trainable variable {j}")
-    # Each worker took STEPS steps on half of each batch: together, the global batch.
+    # Each worker took every step on half of each batch: together, the global batch.
     for j, (a, e) in enumerate(zip(run.trainable(0, tag), single["trainable"])):
         assert_close(a, e, f"{kind}: trainable variable {j}")
 

@@ -798,7 +798,7 @@ def test_a_conflicting_model_fails_the_waiting_pulls_of_the_others(make_servicer
 
 def test_pulls_waiting_per_worker_are_bounded_and_freed_when_they_end(ready):
     """Pulls of a version that never comes cannot tie up the server's threads."""
-    from prophet_tf.ps.servicer import MAX_PULLS_PER_WORKER
+    from prophet_tf.ps.pulls import MAX_PULLS_PER_WORKER
     servicer, _ = ready
     request = ps_pb2.PullRequest(worker_id=1, min_version=99, items=[
         ps_pb2.KeyPartition(key=1, partition=0)])

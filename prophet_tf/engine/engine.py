@@ -229,10 +229,10 @@ class Engine:
     def _register(self, optimizer_config: str, resume_iteration: int,
                   initial_values: Mapping[int, np.ndarray] | None) -> int:
         """Declares the model to every PS; returns the iteration training starts from."""
-        versions = [client.register(self._specs, optimizer_config, initial_values,
-                                    timeout=self.rpc_timeout_s, resume_step=resume_iteration,
-                                    max_partition_bytes=self._dispatch.partition_bytes).version
-                    for client in self._clients]
+        versions = [response.version for response in client_lib.register_all(
+            self._clients, self._specs, optimizer_config, initial_values,
+            timeout=self.rpc_timeout_s, resume_step=resume_iteration,
+            max_partition_bytes=self._dispatch.partition_bytes)]
         if len(set(versions)) != 1:
             raise RuntimeError(
                 "The PS tasks start from different steps (restored different checkpoints: "

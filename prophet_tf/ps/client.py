@@ -14,6 +14,7 @@ and message (``INVALID_ARGUMENT``, ``NOT_FOUND``, ``FAILED_PRECONDITION``,
 from __future__ import annotations
 
 import dataclasses
+from concurrent import futures
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import grpc
@@ -26,7 +27,7 @@ from prophet_tf.ps.protocol import (MAX_MESSAGE_BYTES, SERVICE_NAME, PulledChunk
                                     channel_options, decode_parameter_chunk, encode_push)
 from prophet_tf.ps.v1 import ps_pb2
 
-__all__ = ["PSClient", "Chunk", "PulledChunk", "variable_specs"]
+__all__ = ["PSClient", "Chunk", "PulledChunk", "register_all", "variable_specs"]
 
 _REQUEST_OVERHEAD = 64 * 1024  # room for specs and framing next to the bulk bytes
 
@@ -281,6 +282,21 @@ class PSClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def register_all(clients: Sequence[PSClient], *args, **kwargs) -> list[ps_pb2.RegisterResponse]:
+    """``client.register(*args, **kwargs)`` on every PS task at once, their answers in
+    the clients' order: a PS imports TensorFlow at its first Register (seconds), so
+    the tasks do it together, not one after another.
+
+    Raises:
+        The first client's (in order) exception, once every call has ended.
+    """
+    if len(clients) == 1:
+        return [clients[0].register(*args, **kwargs)]
+    with futures.ThreadPoolExecutor(len(clients), thread_name_prefix="prophet-tf-register") as pool:
+        calls = [pool.submit(client.register, *args, **kwargs) for client in clients]
+    return [call.result() for call in calls]
 
 
 def verdicts(response) -> list[bool]:

@@ -7,6 +7,7 @@ the test can check after the launcher returned that none of them is left.
 """
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -91,14 +92,33 @@ def _state(pid):
         return None
 
 
+def _describe(pid):
+    """What a process left running is doing: its command line, and each thread's
+    name, state and the kernel function it waits in."""
+    def read(path):
+        try:
+            return pathlib.Path(path).read_text(errors="replace").strip()
+        except OSError:
+            return "?"
+    threads = [f"{read(f'{t}/comm')} {_state_of(read(f'{t}/stat'))} {read(f'{t}/wchan')}"
+               for t in sorted(pathlib.Path(f"/proc/{pid}/task").glob("*"))]
+    return (f"pid {pid} ({_state(pid)}): {read(f'/proc/{pid}/cmdline').replace(chr(0), ' ')}; "
+            f"threads: {threads}")
+
+
+def _state_of(stat: str) -> str:
+    return stat.rpartition(")")[2].split()[0] if ")" in stat else "?"
+
+
 def _wait_gone(pids, timeout=10.0):
-    """Pids still running (not exited) after `timeout`; zombies count as gone
-    only when they are not ours to reap (their parent, the launcher, is dead)."""
+    """Descriptions (`_describe`) of the pids still running (not exited) after `timeout`;
+    zombies count as gone only when they are not ours to reap (their parent, the
+    launcher, is dead)."""
     deadline = time.monotonic() + timeout
     while True:
         alive = [p for p in pids if _state(p) not in (None, "Z")]
         if not alive or time.monotonic() > deadline:
-            return alive
+            return [_describe(p) for p in alive]
         time.sleep(0.1)
 
 

@@ -51,13 +51,12 @@ from prophet_tf import loss_scaling
 from prophet_tf import saved_state
 from prophet_tf import strategy_checks as checks
 from prophet_tf import whole_data
+from prophet_tf.step_records import StepRecords
 from prophet_tf.distributed_input import split_batches  # noqa: F401 (public)
 from prophet_tf.variables import PSVariable
 
 logger = logging.getLogger(__name__)
 
-#: Steps whose learning rate is kept for the engine (a ring by step number).
-RATE_SLOTS = 16
 
 
 class Strategy(one_device_strategy.OneDeviceStrategy):
@@ -165,15 +164,11 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         self._step_value: tf.Tensor | None = None
         self._trained_this_trace: list[PSVariable] = []  # trainable_variables order.
         self._registered: list[PSVariable] | None = None
-        # Each step's learning rate by step number (RATE_SLOTS steps kept; at
-        # most two are in flight), and this trace's op that records it.
-        self._rates: tf.Variable | None = None
-        self._rate_recorded = None
-        # Rows of this worker's share of each step's batch by step number (-1:
-        # not a Keras train step), and this trace's tensor of them.
-        self._rows_ring: tf.Variable | None = None
+        # Each step's learning rate and share rows, for the engine; this trace's
+        # share rows (None: not a Keras train step) and the ops that record them.
+        self._records = StepRecords(self._host_device)
         self._share_rows = None
-        self._rows_recorded = None
+        self._recorded: list = []
         self._eager_warned = False
         # The model's LossScaleOptimizer (mixed_float16), once its steps are
         # decided with all workers (loss_scaling.py); None without loss scaling.
@@ -358,57 +353,18 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             # of the gradient unknown while tracing; the value has the variable's.
             grad = tf.ensure_shape(grad, var.shape)
         if position == 0:
-            self._rate_recorded = self._record_learning_rate(fn)
-            self._rows_recorded = self._record_share_rows()
+            self._recorded = self._records.record(checks.optimizer_of(fn), self._share_rows,
+                                                  self._step_value)
         self._trained_this_trace.append(var)
         if len(self._trained_this_trace) == len(self._raw_grads):
             self._register(list(self._trained_this_trace), fn)
-        recorded = [op for op in (self._rate_recorded, self._rows_recorded) if op is not None]
-        if recorded:
+        if self._recorded:
             # The engine reads the step's rate and rows when its first gradient arrives.
-            with tf.control_dependencies(recorded):
+            with tf.control_dependencies(self._recorded):
                 grad = tf.identity(grad)
         with tf.device(self._host_device):  # The gradient is copied from the compute device.
             _native.push_grad(var.handle, tf.cast(grad, var.dtype), key=var.native_key, step=self._step_value)
         return ()
-
-    def _record_learning_rate(self, update_fn):
-        """This step's learning rate, written where the engine reads it; None for
-        a schedule. The engine's pump reads a step's rate after its first
-        gradient, which can be after a callback already set the next epoch's
-        rate on the optimizer: so the step records its own, by step number."""
-        variable = _keras_compat.learning_rate_variable(checks.optimizer_of(update_fn))
-        if variable is None:
-            return None
-        if self._rates is None:
-            with tf.init_scope(), tf.device(self._host_device):  # the engine reads it
-                self._rates = tf.Variable(tf.zeros([RATE_SLOTS], tf.float64), trainable=False,
-                                          name="prophet_tf_learning_rates")
-        return self._write_step_slot(self._rates,
-                                     tf.cast(tf.convert_to_tensor(variable), tf.float64))
-
-    def _write_step_slot(self, ring: tf.Variable, value):
-        """``value`` into ``ring``'s slot for this step (RATE_SLOTS slots, by step number)."""
-        slot = tf.math.floormod(self._step_value, RATE_SLOTS)
-        return ring.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(value, [1]))
-
-    def _record_share_rows(self):
-        """This step's share rows (-1 when not a Keras train step), where the engine reads them."""
-        if self._rows_ring is None:
-            with tf.init_scope(), tf.device(self._host_device):  # the engine reads it
-                self._rows_ring = tf.Variable(tf.fill([RATE_SLOTS], tf.constant(-1, tf.int64)),
-                                              trainable=False, name="prophet_tf_share_rows")
-        rows = tf.constant(-1, tf.int64) if self._share_rows is None else self._share_rows
-        return self._write_step_slot(self._rows_ring, rows)
-
-    def _rows_of_step(self, step: int) -> int | None:
-        """The share rows step ``step`` recorded (``_record_share_rows``); None: unweighted."""
-        rows = int(self._rows_ring.numpy()[step % RATE_SLOTS])
-        return None if rows < 0 else rows
-
-    def _rate_of_step(self, step: int) -> float:
-        """The rate step ``step`` recorded (``_record_learning_rate``)."""
-        return float(self._rates.numpy()[step % RATE_SLOTS])
 
     def _register(self, trained: list[PSVariable], update_fn) -> None:
         """Starts training through the PS once the trained variables are known."""
@@ -434,10 +390,10 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             # Worker 0's values are every worker's version 0.
             initial = ({i: v.initial_numpy() for i, v in enumerate(trained)}
                        if self.engine.worker_id == 0 else None)
-            rates = self._rate_of_step if self._rates is not None else None
+            rates = self._records.rate_of_step if self._records.has_rates else None
             start = self.engine.start(trained, config, rates,
                                       resume_iteration=resume_step, initial_values=initial,
-                                      batch_rows=self._rows_of_step)
+                                      batch_rows=self._records.rows_of_step)
             if start:
                 if not traced:
                     raise NotImplementedError(

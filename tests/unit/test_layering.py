@@ -212,7 +212,6 @@ OVER_BUDGET = {
     "prophet_tf/bench/simulate.py": 514,  # core, network, calibration
     "prophet_tf/tools/launch.py": 471,  # a process supervisor shared with the bench
     "prophet_tf/engine/engine.py": 504,  # one config object, its threads
-    "prophet_tf/strategy.py": 465,  # input and Keras hooks apart
 }
 
 

@@ -39,19 +39,21 @@ class StepRecords:
         rate = _keras_compat.learning_rate_variable(optimizer)
         if rate is not None:
             if self._rates is None:
-                with tf.init_scope(), tf.device(self._device):
-                    self._rates = tf.Variable(tf.zeros([SLOTS], tf.float64), trainable=False,
-                                              name="prophet_tf_learning_rates")
+                self._rates = self._ring("prophet_tf_learning_rates", tf.float64, 0)
             ops.append(_write(self._rates, step, tf.cast(tf.convert_to_tensor(rate), tf.float64)))
         return ops + [self._record_rows(share_rows, step)]
 
     def _record_rows(self, share_rows, step):
         if self._rows is None:
-            with tf.init_scope(), tf.device(self._device):
-                self._rows = tf.Variable(tf.fill([SLOTS], tf.constant(-1, tf.int64)),
-                                         trainable=False, name="prophet_tf_share_rows")
+            self._rows = self._ring("prophet_tf_share_rows", tf.int64, -1)
         rows = tf.constant(-1, tf.int64) if share_rows is None else share_rows
         return _write(self._rows, step, rows)
+
+    def _ring(self, name: str, dtype, fill) -> tf.Variable:
+        """SLOTS values of ``fill``, on the host device, made outside any trace."""
+        with tf.init_scope(), tf.device(self._device):
+            return tf.Variable(tf.fill([SLOTS], tf.constant(fill, dtype)), trainable=False,
+                               name=name)
 
     def rate_of_step(self, step: int) -> float:
         """The learning rate step ``step`` recorded."""

@@ -292,8 +292,6 @@ def register_all(clients: Sequence[PSClient], *args, **kwargs) -> list[ps_pb2.Re
     Raises:
         The first client's (in order) exception, once every call has ended.
     """
-    if len(clients) == 1:
-        return [clients[0].register(*args, **kwargs)]
     with futures.ThreadPoolExecutor(len(clients), thread_name_prefix="prophet-tf-register") as pool:
         calls = [pool.submit(client.register, *args, **kwargs) for client in clients]
     return [call.result() for call in calls]

@@ -80,11 +80,13 @@ class Model:
     learning_rate_is_schedule: bool = False
 
 
-def load_keras() -> None:
-    """Imports Keras (and TensorFlow), which defining a model needs; seconds the
-    first time. Called before the state lock is taken, so that heartbeats and
-    other workers' calls are not held up by an import."""
-    import keras  # noqa: F401  (the first call imports it; later ones find it)
+def load_keras():
+    """Keras (imported with TensorFlow by the first call: seconds), which defining a
+    model needs. The servicer calls it before taking the state lock, so that
+    heartbeats and other workers' calls are not held up by the import."""
+    import keras
+
+    return keras
 
 
 def check_request(request, num_workers: int, num_ps: int, max_partition_bytes: int) -> None:
@@ -225,8 +227,7 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
         clipping.check_placement(global_clipnorm, num_ps)
     except ValueError as e:
         raise invalid(str(e)) from None
-    import keras
-
+    keras = load_keras()
     model = Model(specs, optimizer_policy.comparable(config), optimizer, partitions, limit,
                   loss_scaling=optimizer_policy.loss_scaling(config),
                   global_clipnorm=global_clipnorm,
@@ -237,8 +238,7 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
 
 
 def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
-    import keras
-
+    keras = load_keras()
     parts = {}
     for p in sharding.owned_by(model.partitions, ps_index):
         spec = model.specs[p.key]

@@ -126,9 +126,9 @@ def main(argv=None):
 def _emulated_model(name, compute_s, reps):
     import keras
 
-    from prophet_tf.bench import emulated, models
+    from prophet_tf.bench import emulated, models, saved_profiles
 
-    profile = models.load_profile(name)
+    profile = saved_profiles.load_profile(name)
     scale = compute_s / profile["compute_s"]
     layers = emulated.emulated_layers(profile, scale)
     model = emulated.build_emulated_model(profile, keras, scale)

@@ -31,7 +31,6 @@ measured iterations.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -41,9 +40,8 @@ import time
 import numpy as np
 
 __all__ = ["MODELS", "APPLICATIONS", "INPUT_SHAPES", "NUM_CLASSES", "build_model",
-           "synthetic_data", "profile_model", "variable_forward_s", "load_profile",
-           "save_profile", "profile_path",
-           "PROFILE_DIR", "INTRA_OP_THREADS", "INTER_OP_THREADS"]
+           "synthetic_data", "profile_model", "variable_forward_s",
+           "INTRA_OP_THREADS", "INTER_OP_THREADS"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +52,6 @@ APPLICATIONS = ("resnet50", "vgg16", "inceptionv3")
 INPUT_SHAPES = {"cnn": (32, 32, 3), "resnet50": (224, 224, 3), "vgg16": (224, 224, 3),
                 "inceptionv3": (299, 299, 3)}
 NUM_CLASSES = {"cnn": 10, "resnet50": 1000, "vgg16": 1000, "inceptionv3": 1000}
-PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
 def build_model(name: str, keras_module=None):
@@ -252,31 +249,3 @@ def _leaf_layers(model):
         else:
             out.append(layer)
     return out
-
-
-def profile_path(name: str) -> str:
-    return os.path.join(PROFILE_DIR, f"{name}.json")
-
-
-def load_profile(name_or_path: str) -> dict:
-    """A saved profile, by model name (``prophet_tf/bench/profiles/<name>.json``) or path.
-
-    Raises:
-      FileNotFoundError: no such profile; the message says how to make one.
-    """
-    path = name_or_path if name_or_path.endswith(".json") else profile_path(name_or_path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"No profile for {name_or_path!r} at {path}; make it with "
-                                f"`prophet-tf simulate --profile {name_or_path}`. "
-                                f"Received: model={name_or_path!r}")
-    with open(path) as f:
-        return json.load(f)
-
-
-def save_profile(profile: dict, command: str, path: str | None = None) -> str:
-    """Writes ``profile`` (with the ``command`` that made it) as JSON; returns the path."""
-    path = path or profile_path(profile["model"])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({**profile, "command": command}, f, indent=1)
-    return path

@@ -69,7 +69,8 @@ import time
 
 from prophet_tf import cluster as cluster_lib, environment
 from prophet_tf.bench import ideal as ideal_lib
-from prophet_tf.bench import link_load, message_costs, models, netns, suite as suite_lib
+from prophet_tf.bench import link_load, message_costs, models, netns, saved_profiles
+from prophet_tf.bench import suite as suite_lib
 from prophet_tf.bench import worker as worker_lib
 from prophet_tf.engine import engine as engine_lib
 from prophet_tf.engine import schedulers as schedulers_lib
@@ -372,12 +373,16 @@ def run_bench(args, out=sys.stdout) -> dict:
     if args.global_batch % args.workers:
         raise ValueError(f"--global-batch must be a multiple of --workers. Received: "
                          f"--global-batch={args.global_batch}, --workers={args.workers}")
-    profile = models.load_profile(args.model)
+    profile = saved_profiles.load_profile(args.model)
+    # What the JSON records of the profile: the shipped one's name and hash
+    # (and scale), unless a compute run below measures one.
+    profile_record = saved_profiles.reference(args.model)
     if args.compute == "emulated":
         # The emulated model computes exactly its scaled profile.
         args.scale = args.time_scale * (args.compute_ms / 1e3 / profile["compute_s"]
                                         if args.compute_ms else 1.0)
-        profile = scaled_profile(profile, args.scale)
+        profile = saved_profiles.scaled_profile(profile, args.scale)
+        profile_record = saved_profiles.reference(args.model, args.scale)
     link_mbit = args.bandwidth_mbit / args.time_scale
     latency_ms = args.latency_ms * args.time_scale
     network = None
@@ -465,7 +470,7 @@ def run_bench(args, out=sys.stdout) -> dict:
         # with every worker computing at once) is the one of this configuration.
         compute_s = statistics.median(r["step_time_s"] for r in runs["compute"])
         nearest = min(runs["compute"], key=lambda r: abs(r["step_time_s"] - compute_s))
-        profile = nearest["reports"][0]["profile"]
+        profile = profile_record = nearest["reports"][0]["profile"]
         compute_s = profile["compute_s"]
     else:
         compute_s = profile["compute_s"]
@@ -490,7 +495,7 @@ def run_bench(args, out=sys.stdout) -> dict:
               "compute_s": compute_s, "compute_s_all": [r["step_time_s"] for r in runs["compute"]],
               "ideal": bound, "threads": {"intra_op": models.INTRA_OP_THREADS,
                                           "inter_op": models.INTER_OP_THREADS},
-              "profile": profile}
+              "profile": profile_record}
     results = []
     for name in names:
         times = [r["step_time_s"] for r in runs[name]]
@@ -530,18 +535,6 @@ def _tune_bytescheduler(args, compute_runs: list, profile: dict, framing: float,
           f"partition_bytes={chosen['partition_bytes']}, credit_bytes={chosen['credit_bytes']}",
           file=out, flush=True)
     return chosen, rows
-
-
-def scaled_profile(profile: dict, scale: float) -> dict:
-    """``profile`` with every compute time multiplied by ``scale`` (what the
-    emulated model of it computes; ``prophet_tf.bench.emulated``)."""
-    times = ("forward_s", "backward_s", "compute_s", "step_s")
-    variables = [{**v, "forward_s": v["forward_s"] * scale,
-                  "backward_ready_s": v["backward_ready_s"] * scale}
-                 for v in profile["variables"]]
-    return {**{k: v for k, v in profile.items() if not k.endswith("_all")},
-            **{k: profile[k] * scale for k in times if k in profile},
-            "variables": variables, "emulated_scale": scale}
 
 
 def scheduler_settings(name: str, profile: dict, num_ps: int,

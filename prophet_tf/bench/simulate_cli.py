@@ -17,7 +17,8 @@ import statistics
 import sys
 from typing import Sequence
 
-from prophet_tf.bench import message_costs, simulate as simulate_lib, suite as suite_lib
+from prophet_tf.bench import message_costs, saved_profiles, simulate as simulate_lib
+from prophet_tf.bench import suite as suite_lib
 from prophet_tf.engine import schedulers as schedulers_lib
 
 __all__ = ["sweep", "plot_sweep", "validate", "main"]
@@ -238,7 +239,8 @@ def validate(bench: dict, profile: dict,
         if missing:
             raise ValueError(f"the message-cost fit has no runs of {missing} (it has "
                              f"{sorted(fitted.by_scheduler)})")
-    profile = config.get("profile", profile)  # measured in the bench itself
+    if "profile" in config:  # what the bench ran: measured in it, or a shipped one
+        profile = saved_profiles.resolve(config["profile"])
     rows = []
     for r in bench["results"]:
         if r["scheduler"].partition(":")[0] not in schedulers_lib.SCHEDULERS:
@@ -297,14 +299,14 @@ def main(argv: list[str] | None = None) -> int:
         profile = models.profile_model(args.profile, args.batch, args.profile_iterations)
         command = (f"prophet-tf simulate --profile {args.profile} --batch {args.batch} "
                    f"--profile-iterations {args.profile_iterations}")
-        path = models.save_profile(profile, command)
+        path = saved_profiles.save_profile(profile, command)
         print(f"{args.profile}: {profile['num_params']:,} parameters, "
               f"{profile['trainable_bytes'] / 1e6:.1f} MB, batch {args.batch}: forward "
               f"{profile['forward_s'] * 1e3:.1f} ms, backward {profile['backward_s'] * 1e3:.1f} "
               f"ms; saved to {path}")
         return 0
     try:
-        profile = models.load_profile(args.model)
+        profile = saved_profiles.load_profile(args.model)
         names = schedulers_lib.split_specs(args.schedulers)
         # Parsed (and so validated) before any simulation runs.
         parsed = {n: schedulers_lib.parse_scheduler(n) for n in names}

@@ -159,11 +159,11 @@ def main(argv=None) -> int:
 
 def _model_builder(args):
     """``(build(keras_module), (x, y), loss(keras_module))`` of the run's model."""
-    from prophet_tf.bench import emulated, models
+    from prophet_tf.bench import emulated, models, saved_profiles
 
     num_samples = args.steps * args.global_batch
     if args.compute == "emulated":
-        profile = models.load_profile(args.model)
+        profile = saved_profiles.load_profile(args.model)
         return (lambda k: emulated.build_emulated_model(profile, k, args.scale),
                 emulated.emulated_data(num_samples), lambda k: k.losses.MeanSquaredError())
     return (lambda k: models.build_model(args.model, k),

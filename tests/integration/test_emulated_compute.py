@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from prophet_tf.bench import emulated, models, runner
+from prophet_tf.bench import emulated, models, saved_profiles
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -16,9 +16,9 @@ pytestmark = pytest.mark.timeout(300)
 def test_emulated_readiness_matches_the_scaled_profile(name, compute_s):
     import keras
 
-    profile = models.load_profile(name)
+    profile = saved_profiles.load_profile(name)
     scale = compute_s / profile["compute_s"]
-    want = runner.scaled_profile(profile, scale)
+    want = saved_profiles.scaled_profile(profile, scale)
     model = emulated.build_emulated_model(profile, keras, scale)
     assert [tuple(v.shape) for v in model.trainable_variables] == \
         [tuple(v["shape"]) for v in profile["variables"]]  # real shapes, forward order
@@ -53,7 +53,7 @@ def test_emulated_readiness_matches_the_scaled_profile(name, compute_s):
 
 
 def test_emulated_layers_keep_every_variable_and_the_total_times():
-    profile = models.load_profile("inceptionv3")
+    profile = saved_profiles.load_profile("inceptionv3")
     layers = emulated.emulated_layers(profile, 2.0)
     shapes = [v["shape"] for layer in layers for v in layer["variables"]]
     assert shapes == [tuple(v["shape"]) for v in profile["variables"]]
@@ -118,6 +118,10 @@ def test_the_smoke_suite_runs_fifo_prophet_and_tf_mwms_emulated_resumes_and_plot
     # 40 ms at time scale 2: 400 Mbit/s links run at 200 on this machine.
     assert cell["cell"]["time_scale"] == 2 and cell["config"]["link_mbit"] == 200
     _check(cell, 0.08, 2)
+    # The shipped profile is named, not copied, and names what ran.
+    profile = cell["config"]["profile"]
+    assert saved_profiles.is_reference(profile) and profile["name"] == "cnn"
+    assert saved_profiles.resolve(profile)["compute_s"] == cell["config"]["compute_s"]
     assert [r["scheduler"] for r in cell["results"]] == ["fifo", "prophet", "tf-mwms"]
     # The cell's wall time covers every run's start-up and timed steps.
     assert cell["wall_s"] > sum(r["startup_s"] + r["step_time_s"] * cell["config"]["steps"]

@@ -65,8 +65,13 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"prophet-tf {name}: needs TensorFlow, and none is installed. {INSTALL_HINT}",
               file=sys.stderr)
         return 1
+    from prophet_tf import extras
     module = importlib.import_module(_COMMANDS[name][0])
-    return module.main(rest) or 0
+    try:
+        return module.main(rest) or 0
+    except extras.MissingExtra as e:  # an optional dependency: say which extra brings it
+        print(f"prophet-tf {name}: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import statistics
 import sys
 from typing import Sequence
 
+from prophet_tf import extras
 from prophet_tf.bench import message_costs, saved_profiles, simulate as simulate_lib
 from prophet_tf.bench import suite as suite_lib
 from prophet_tf.engine import schedulers as schedulers_lib
@@ -45,7 +46,7 @@ def sweep(profile: dict, schedulers: Sequence[str], workers: Sequence[int],
 
 def plot_sweep(rows: list[dict], path: str, title: str) -> str:
     """PNG of speedup over FIFO against bandwidth, one panel per worker count."""
-    import matplotlib
+    matplotlib = extras.require("matplotlib", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -311,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         # Parsed (and so validated) before any simulation runs.
         parsed = {n: schedulers_lib.parse_scheduler(n) for n in names}
         overhead = args.rpc_overhead_ms / 1e3
+        if args.plot:  # before the sweep, not after it
+            extras.check("matplotlib", "--plot")
         if args.costs_from and not args.validate:
             raise ValueError(f"--costs-from is for --validate. Received: --costs-from "
                              f"{args.costs_from} without --validate")
@@ -402,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                               "bandwidth_mbit": args.bandwidth_mbit,
                               "latency_ms": args.latency_ms, "rpc_overhead_s": overhead},
                    "results": rows}
+    except extras.MissingExtra:
+        raise  # the command line says which extra to install (exit 1)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"prophet-tf simulate: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import textwrap
 
+from prophet_tf import extras
 from prophet_tf.tools.plot_data import (PlotError, Span, WorkerTimeline, parse_bench,
                                         parse_suite, plan_for_iteration, select_steps)
 
@@ -23,11 +24,7 @@ _BENCH_KEYS = ("model", "workers", "ps", "bandwidth_mbit", "latency_ms", "global
 
 
 def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("prophet-tf plot needs matplotlib: pip install prophet_tf[plot] "
-                           "(or pip install matplotlib)") from None
+    matplotlib = extras.require("matplotlib", "drawing", extra="plot")
     matplotlib.use("Agg")  # Files only; no display needed.
     import matplotlib.pyplot as plt
     return plt
@@ -49,7 +46,7 @@ def plot_timelines(timelines: list[WorkerTimeline], out: str,
 
     Raises:
       PlotError: no timelines, or the steps select nothing.
-      RuntimeError: matplotlib is missing.
+      extras.MissingExtra: matplotlib is missing.
     """
     if not timelines:
         raise PlotError("no timeline to plot. Received: 0 files")
@@ -254,7 +251,7 @@ def plot_bench(bench: dict, out: str, source: str = "<bench>") -> str:
 
     Raises:
       PlotError: the results cannot be read.
-      RuntimeError: matplotlib is missing.
+      extras.MissingExtra: matplotlib is missing.
     """
     rows = parse_bench(bench, source)
     plt = _pyplot()
@@ -318,7 +315,7 @@ def plot_suite(suite: dict, out: str, source: str = "<suite>") -> str:
 
     Raises:
       PlotError: the suite cannot be read.
-      RuntimeError: matplotlib is missing.
+      extras.MissingExtra: matplotlib is missing.
     """
     rows = parse_suite(suite, source)
     names = [n for n in dict.fromkeys(n for r in rows for n in r["speedup_vs_fifo"])

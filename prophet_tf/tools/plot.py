@@ -75,7 +75,7 @@ def run(paths: list[str], out: str, steps: str | None = None, worker: int | None
     """Plots the files (timelines or one bench result) into `out`; returns `out`.
 
     Raises:
-      PlotError: bad input (see the module doc); RuntimeError: no matplotlib.
+      PlotError: bad input (see the module doc); extras.MissingExtra: no matplotlib.
     """
     out_dir = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(out_dir):
@@ -129,9 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     except PlotError as e:
         print(f"prophet-tf plot: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # matplotlib missing
-        print(f"prophet-tf plot: {e}", file=sys.stderr)
-        return 1
     except ValueError as e:  # e.g. matplotlib does not know the extension
         print(f"prophet-tf plot: cannot write {args.output}: {e}", file=sys.stderr)
         return 2

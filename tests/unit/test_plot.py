@@ -288,7 +288,7 @@ def test_missing_matplotlib_names_the_extra(timeline_files, tmp_path):
                   "from prophet_tf import cli; sys.exit(cli.main(['plot', *sys.argv[1:]]))",
                   str(timeline_files[0]), "-o", str(tmp_path / "x.png"))
     assert result.returncode == 1, result.stderr
-    assert "pip install prophet_tf[plot]" in result.stderr and "Traceback" not in result.stderr
+    assert 'pip install "prophet_tf[plot]"' in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.timeout(150)

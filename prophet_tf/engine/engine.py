@@ -1,19 +1,18 @@
 """The worker's background engine: gradients out, parameters in.
 
-Threads (all daemons; any failure aborts the op runtime, so a waiting
-AwaitParam fails with the message instead of hanging):
+The `Engine` registers the model with every PS task, runs the threads and
+stops them. Threads (all daemons; any failure aborts the op runtime, so a
+waiting AwaitParam fails with the message instead of hanging):
 
-- pump: takes ready gradients from the op runtime (`PushGrad` enqueued them)
-  and hands them to the dispatch; on the first gradient of iteration k it
-  asks every PS for version k+1. Every block the dispatch releases goes to
-  its link's sender.
-- one sender per PS task: pushes each block it is handed as one asynchronous
-  RPC, at once (the dispatch's window bounds what is in flight); a finished
-  push tells the dispatch (`on_sent`), which may release more. To a PS on
-  another host, a step's pushes wait while a PS on this host still
-  owes that version to the other hosts' workers (answers_first.py).
+- pump: takes ready gradients from the op runtime and hands them to the
+  dispatch; on the first gradient of iteration k it asks every PS for
+  version k+1 (gradients_out.py).
+- one sender per PS task: pushes each block the dispatch releases to its
+  link as one asynchronous RPC, at once (gradients_out.py).
 - one puller per PS task: streams the task's partitions of a version as the
-  PS applies them and delivers each parameter once all its partitions are in.
+  PS applies them and delivers each parameter once all its partitions are in
+  (parameters_in.py).
+- one heartbeat per PS task: notices a lost PS or a failed job (liveness.py).
 
 The engine imports no TensorFlow: the op runtime is handed in (the worker
 passes ``prophet_tf._native``), gradients' dtypes are names, and worker 0's
@@ -24,7 +23,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import queue
 import threading
 import time
 from typing import Callable, Mapping, Sequence
@@ -33,14 +31,15 @@ import grpc
 import numpy as np
 
 from prophet_tf import cluster as cluster_lib
-from prophet_tf import codec, environment, optimizer_policy, progress
+from prophet_tf import codec, environment, optimizer_policy
 from prophet_tf.engine import liveness, schedulers
 from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.engine import timeline as timeline_lib
-from prophet_tf.engine.delivery import Assembler, Expected
 from prophet_tf.engine.dispatch import Dispatch
+from prophet_tf.engine.gradients_out import GradientsOut
+from prophet_tf.engine.parameters_in import ParametersIn
 from prophet_tf.ps import client as client_lib
-from prophet_tf.ps.client import Chunk, PSClient, variable_specs
+from prophet_tf.ps.client import PSClient, variable_specs
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +168,6 @@ class Engine:
             optimizer_policy.parse_config(optimizer_config))
         self._dispatch = dispatch = Dispatch([v.native_key for v in variables], specs,
                                              self.config.num_ps, scheduler, balance=not whole)
-        self._assembler = Assembler(self._native, dispatch)
         self._recorder = timeline_lib.Recorder(
             self.worker_id, {k: v.name for k, v in zip(dispatch.native_keys, specs)}) \
             if self.timeline else None
@@ -192,24 +190,22 @@ class Engine:
         except BaseException:
             self._stop.set()  # No heartbeats for a worker that will not train.
             raise
-        self._lock = threading.Lock()  # The dispatch and the learning rates.
-        self._idle = threading.Condition(self._lock)
-        self._send_queues = [queue.Queue() for _ in self._clients]
-        self._pull_queues = [queue.Queue() for _ in self._clients]
         dispatch.last_iteration = start - 1
-        self._plan_version = None
-        self._learning_rate = learning_rate
-        self._learning_rates: dict[int, float] = {}  # iteration -> its learning rate
-        self._batch_rows_of = batch_rows
-        self._batch_rows: dict[int, int | None] = {}  # iteration -> this worker's rows
+        self._parameters_in = parameters_in = ParametersIn(
+            self.worker_id, self._native, dispatch, self._clients, self._stop,
+            rpc_timeout_s=self.rpc_timeout_s, recorder=self._recorder)
+        self._gradients_out = gradients_out = GradientsOut(
+            self._native, dispatch, self._clients, self._stop, self._fail, parameters_in.ask,
+            rpc_timeout_s=self.rpc_timeout_s, answers=self._answers, recorder=self._recorder,
+            learning_rate=learning_rate, batch_rows=batch_rows)
         # The first version comes from the PS, so every worker starts from
         # the same values (worker 0's, or a checkpoint's).
         for ps_index in range(len(self._clients)):
-            self._pull_version(ps_index, start)
-        self._spawn("prophet-tf-pump", self._pump)
+            parameters_in.pull_version(ps_index, start)
+        self._spawn("prophet-tf-pump", gradients_out.pump)
         for i in range(len(self._clients)):
-            self._spawn(f"prophet-tf-send-{i}", self._sender, i)
-            self._spawn(f"prophet-tf-pull-{i}", self._puller, i)
+            self._spawn(f"prophet-tf-send-{i}", gradients_out.sender, i)
+            self._spawn(f"prophet-tf-pull-{i}", parameters_in.puller, i)
         self._started = True
         # Push the last iteration's gradients before the interpreter exits, or
         # the other workers would wait for them in vain.
@@ -259,155 +255,6 @@ class Engine:
             logger.error(message)
             self._native.abort(message)
         self._stop.set()
-
-    # -- gradients out -------------------------------------------------------------------
-
-    def _pump(self):
-        """Ready gradients -> dispatch -> the links' senders."""
-        native, dispatch = self._native, self._dispatch
-        while not self._stop.is_set():
-            grad = native.next_grad(0.1)
-            if grad is None:
-                continue
-            if dispatch.starts_iteration(grad.iteration):
-                # First gradient of iteration k: the PS will have version k+1 soon.
-                progress.report(step=grad.iteration + 1)  # For `prophet-tf launch`.
-                if self._learning_rate is not None:
-                    with self._lock:
-                        self._learning_rates[grad.iteration] = float(
-                            self._learning_rate(grad.iteration))
-                        self._learning_rates.pop(grad.iteration - 8, None)
-                if self._batch_rows_of is not None:
-                    with self._lock:
-                        self._batch_rows[grad.iteration] = self._batch_rows_of(grad.iteration)
-                        self._batch_rows.pop(grad.iteration - 8, None)
-                for q in self._pull_queues:
-                    q.put(grad.iteration + 1)
-                self._record_plan()
-            with self._lock:
-                try:
-                    dispatch.add(grad.key, grad.iteration, grad.ready_ns, grad)
-                except BaseException:
-                    # Never replace a buffer a sender may still read: drop the new one.
-                    native.release_grad(grad.handle)
-                    raise
-                self._drain_locked()
-
-    def _drain_locked(self) -> None:
-        for block in self._dispatch.next_blocks(time.monotonic_ns()):
-            self._send_queues[block[0].ps_index].put(block)
-
-    def _sender(self, ps_index: int):
-        """Pushes one link's blocks in order, each at once (the window bounds them)."""
-        client = self._clients[ps_index]
-        while not self._stop.is_set():
-            try:
-                block = self._send_queues[ps_index].get(timeout=0.1)
-            except queue.Empty:
-                continue
-            with self._lock:
-                chunks = [Chunk(item.key, item.partition, item.iteration, self._rows(item),
-                                batch_rows=self._batch_rows.get(item.iteration))
-                          for item in block]
-                iterations = {item.iteration for item in block}
-                learning_rate = self._learning_rates.get(block[0].iteration) \
-                    if len(iterations) == 1 else None
-            if self._answers is not None and self._answers.applies_to(ps_index):
-                self._answers.wait(min(iterations))
-            start = time.monotonic_ns()
-            future = client.push_future(chunks, timeout=self.rpc_timeout_s,  # Serialized here.
-                                        learning_rate=learning_rate)
-            with self._lock:
-                for grad in self._dispatch.release(block):
-                    self._native.release_grad(grad.handle)
-            future.add_done_callback(
-                lambda f, block=block, start=start: self._pushed(f, ps_index, block, start))
-
-    def _rows(self, item: schedulers.ReadyItem) -> np.ndarray:
-        flat = self._dispatch.payload(item).view()
-        shape = self._specs[item.key].shape
-        if not shape:
-            return flat
-        p = self._dispatch.partition(item)
-        return flat.reshape(shape)[p.row_begin:p.row_end]
-
-    def _pushed(self, future, ps_index: int, block, start: int) -> None:
-        end = time.monotonic_ns()
-        try:
-            future.result()
-        except Exception as e:  # noqa: BLE001 - reported to the training thread.
-            if not self._stop.is_set():
-                self._fail(RuntimeError(
-                    f"push to PS {ps_index} at {self._clients[ps_index].address} failed: "
-                    f"{liveness.rpc_message(e)}"))
-            return
-        if self._recorder is not None:
-            self._recorder.transfer(timeline_lib.Transfer(
-                "push", ps_index, tuple(self._dispatch.native_keys[i.key] for i in block),
-                sum(i.nbytes for i in block), block[0].iteration, start, end))
-        with self._lock:
-            self._dispatch.on_sent(block, start, end)
-            self._drain_locked()
-            self._idle.notify_all()
-
-    def _record_plan(self) -> None:
-        if self._recorder is None:
-            return
-        with self._lock:
-            plan = self._dispatch.plan()
-        version = plan.get("version", 0)
-        if version != self._plan_version:
-            self._plan_version = version
-            self._recorder.plan(time.monotonic_ns(), plan)
-
-    # -- parameters in -------------------------------------------------------------------
-
-    def _puller(self, ps_index: int):
-        while not self._stop.is_set():
-            try:
-                version = self._pull_queues[ps_index].get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._pull_version(ps_index, version)
-
-    def _pull_version(self, ps_index: int, version: int) -> None:
-        """Pulls one PS's partitions of `version` and delivers each as it comes.
-
-        The PS sends each partition the moment it is applied (the most urgent
-        first among those ready), so they arrive in any order; each must be
-        one asked for and not yet received.
-        """
-        client = self._clients[ps_index]
-        expected = Expected(ps_index, self._dispatch.pull_order(ps_index))
-        previous = time.monotonic_ns()
-        waited_s = 0.0
-        while expected:
-            try:
-                for chunk in client.pull(expected.left(), version, timeout=self.rpc_timeout_s):
-                    arrived = time.monotonic_ns()
-                    partition = expected.take(chunk)
-                    if self._recorder is not None:
-                        # The key asked for, not the wire's: the assembler checks that.
-                        native_key = self._dispatch.native_keys[partition.key]
-                        self._recorder.transfer(timeline_lib.Transfer(
-                            "pull", ps_index, (native_key,), chunk.array.nbytes, version,
-                            previous, arrived))
-                    previous = arrived
-                    self._assembler.deliver(chunk, partition, version)
-            except Exception as e:
-                if self._stop.is_set():
-                    return
-                code = getattr(e, "code", None)
-                if callable(code) and code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    # Slow peers are not lost ones: the heartbeats tell those
-                    # apart and fail the job, so waiting on is safe.
-                    waited_s += self.rpc_timeout_s
-                    logger.warning("worker %d: still waiting for version %d from PS %d at %s "
-                                   "after %.0f s (a slow worker?)", self.worker_id, version,
-                                   ps_index, client.address, waited_s)
-                    continue
-                raise RuntimeError(f"pull of version {version} from PS {ps_index} at "
-                                   f"{client.address} failed: {liveness.rpc_message(e)}") from e
 
     # -- loss scaling ------------------------------------------------------------------
 
@@ -465,12 +312,8 @@ class Engine:
             return True
         deadline = time.monotonic() + (self.rpc_timeout_s if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and self._error is None:
-            with self._lock:
-                self._dispatch.flush()
-                self._drain_locked()
-                if self._dispatch.idle and self._native.queued_grads() == 0:
-                    return True
-                self._idle.wait(0.05)
+            if self._gradients_out.flush(wait_s=0.05):
+                return True
         return False
 
     def shutdown(self, flush_timeout_s: float = 30.0) -> None:

@@ -4,7 +4,6 @@ A pulled chunk is staged only when it is the partition the engine asked for,
 at the version asked for or later, with that partition's dtype and size; any
 other chunk fails with a message naming both, and nothing is staged.
 """
-import queue
 import threading
 
 import numpy as np
@@ -15,7 +14,7 @@ from prophet_tf import _native
 from prophet_tf.engine import schedulers
 from prophet_tf.engine.delivery import Assembler
 from prophet_tf.engine.dispatch import Dispatch
-from prophet_tf.engine.engine import Engine
+from prophet_tf.engine.gradients_out import GradientsOut
 from prophet_tf.ps import sharding
 from prophet_tf.ps.client import PulledChunk
 from prophet_tf.ps.v1 import ps_pb2
@@ -84,26 +83,22 @@ def test_a_chunk_other_than_the_one_asked_for_stages_nothing(engine, bad, messag
 
 def test_a_second_gradient_for_the_same_variable_and_iteration_fails_and_keeps_the_first(engine):
     _, parts = engine
-    e = Engine.__new__(Engine)  # Only the pump's state: no cluster, no threads.
-    e._native, e._dispatch = _native, make_dispatch()
-    e._stop = threading.Event()
-    e._learning_rate, e._recorder, e._learning_rates = None, None, {}
-    e._batch_rows_of, e._batch_rows = None, {}
-    e._lock = threading.Lock()
-    e._send_queues = [queue.Queue(), queue.Queue()]
-    e._pull_queues = [queue.Queue(), queue.Queue()]
+    asked = []  # versions asked of the pullers
+    # Only the pump: two links, no clients, no threads.
+    e = GradientsOut(_native, make_dispatch(), [None, None], threading.Event(),
+                     fail=None, ask_version=asked.append, rpc_timeout_s=60.0)
     variable = tf.Variable(tf.zeros(SHAPE))
     first = tf.ones(SHAPE)
     _native.push_grad(variable.handle, first, key=NATIVE_KEY, step=0)
     _native.push_grad(variable.handle, 2 * first, key=NATIVE_KEY, step=0)
     with pytest.raises(RuntimeError,
                        match="a second gradient arrived for variable key 7 at iteration 0"):
-        e._pump()
+        e.pump()
     grad = e._dispatch.payload(schedulers.ReadyItem(0, 0, 0, 0, 0, 24, 0))
     assert grad.dtype == "float32" and grad.view().tolist() == [1.0] * 12  # the first, readable
     assert _native.outstanding_grads() == 1  # the second was released
     assert [len(q.get_nowait()) for q in e._send_queues] == [1, 1]  # the first is sent
-    assert [q.get_nowait() for q in e._pull_queues] == [1, 1]  # version 1 asked for
+    assert asked == [1]  # version 1 asked for
 
 
 def test_a_pull_takes_its_partitions_in_any_order_but_each_once():

@@ -211,7 +211,6 @@ OVER_BUDGET = {
     "prophet_tf/bench/runner.py": 742,  # arguments, orchestration, results
     "prophet_tf/bench/simulate.py": 514,  # core, network, calibration
     "prophet_tf/tools/launch.py": 471,  # a process supervisor shared with the bench
-    "prophet_tf/engine/engine.py": 504,  # one config object, its threads
 }
 
 

@@ -18,7 +18,7 @@ sharing puts every message at 1.0; TCP through one shaped queue
 that and some far slower. The
 simulator draws each message's weight from a log-normal
 distribution; ``share_sigma`` is the sigma whose simulated messages have the
-measured median (``simulate.fit_share_sigma``), and ``prophet-tf simulate
+measured median (``simulate_flow_share.fit_share_sigma``), and ``prophet-tf simulate
 --validate --flow-share OUT`` uses it.
 
 Turns can last: each run also records every connection's share of the
@@ -37,7 +37,7 @@ import subprocess
 import sys
 
 from emulated_hosts import SETTLE_S, add_host_queue_argument, command, unavailable
-from prophet_tf.bench import ideal, link_probe, netns, simulate
+from prophet_tf.bench import ideal, link_probe, netns, simulate_flow_share
 
 
 def measure(net: "netns.EmulatedNetwork", flows: int, size: int, seconds: float,
@@ -95,7 +95,7 @@ def summary(runs: list, flows: int, size: int, rate: float) -> dict:
             "dropped_packets": sum(run["dropped"] for run in runs),
             "retransmitted_segments": sum(run["retransmitted"] for run in runs),
             # Below 1: no turns to model (the link lost rate instead).
-            "share_sigma": simulate.fit_share_sigma(min(median, 0.99 * flows), flows)
+            "share_sigma": simulate_flow_share.fit_share_sigma(min(median, 0.99 * flows), flows)
             if median >= 1.0 else 0.0}
 
 

@@ -6,6 +6,8 @@
 - :mod:`prophet_tf.bench.models`: the bench models and per-variable compute profiles.
 - :mod:`prophet_tf.bench.ideal`: the ideal step time of a run.
 - :mod:`prophet_tf.bench.simulate`: the simulation, driving the engine's dispatch and schedulers;
+  :mod:`prophet_tf.bench.simulate_network`: its event queue and links shared by flows;
+  :mod:`prophet_tf.bench.simulate_flow_share`: ``share_sigma`` fitted to a measured link;
   :mod:`prophet_tf.bench.simulate_cli`: ``prophet-tf simulate``.
 - :mod:`prophet_tf.bench.emulation`: emulated compute time that leaves the CPU free (``delay``);
   :mod:`prophet_tf.bench.emulated`: models whose compute is emulated from a profile.

@@ -43,19 +43,23 @@ in lockstep, so one is simulated and every PS link is shared W ways):
 
 Step time: iteration k's time is from its forward's start to the next one's,
 median over the iterations after ``warmup`` (the bench drops the same ones).
+
+Here: the workers, the PS's versions and :func:`simulate`. The network (the
+event queue, links shared by flows, each layout's links) is
+:mod:`prophet_tf.bench.simulate_network`; fitting ``share_sigma`` to a
+measured link is :mod:`prophet_tf.bench.simulate_flow_share`.
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import math
-import random
 import statistics
 import types
 from typing import Callable
 
 from prophet_tf.bench import ideal as ideal_lib
 from prophet_tf.bench import models
+from prophet_tf.bench.simulate_network import ClusterLinks, FluidSim
 from prophet_tf.engine import schedulers as schedulers_lib
 from prophet_tf.engine.dispatch import Dispatch
 
@@ -68,108 +72,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_RPC_OVERHEAD_S = 0.0003
 WARMUP_ITERATIONS = schedulers_lib.ProphetScheduler.ITERATIONS_BEFORE_PLAN
 _NS = 1_000_000_000
-
-
-class _Flow:
-    __slots__ = ("remaining", "links", "rate", "done", "weight")
-
-    def __init__(self, nbytes: float, links: tuple, done: Callable[[], None], weight: float):
-        self.remaining = float(nbytes)
-        self.links = links
-        self.rate = 0.0
-        self.done = done
-        self.weight = weight
-
-
-class _Sim:
-    """Event queue plus a fluid network of weighted max-min fair flows.
-
-    Each flow's weight is 1, or with ``share_sigma`` > 0 drawn from a
-    log-normal distribution (median 1, that sigma of its log) when it
-    starts: TCP connections through a shaped link take turns rather than
-    share it evenly (``benchmarks/flow_share.py`` measures how unevenly).
-    """
-
-    def __init__(self, capacity: dict, share_sigma: float = 0.0, seed: int = 0):
-        self.share_sigma = share_sigma
-        self._random = random.Random(seed)
-        self.now = 0.0
-        self._events: list = []
-        self._seq = 0
-        self.capacity = capacity  # link -> bytes/s (math.inf = unlimited)
-        self.flows: list[_Flow] = []
-        self._last = 0.0
-        self._epoch = 0
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (max(t, self.now), self._seq, fn))
-
-    def start_flow(self, nbytes: float, links: tuple, done: Callable[[], None]) -> None:
-        self._advance()
-        weight = math.exp(self._random.gauss(0.0, self.share_sigma)) if self.share_sigma else 1.0
-        flow = _Flow(nbytes, links, done, weight)
-        if nbytes <= 0 or all(math.isinf(self.capacity[l]) for l in links):
-            self.at(self.now, done)
-            return
-        self.flows.append(flow)
-        self._reschedule()
-
-    def _advance(self) -> None:
-        dt = self.now - self._last
-        if dt > 0:
-            for f in self.flows:
-                f.remaining -= f.rate * dt
-        self._last = self.now
-
-    def _reschedule(self) -> None:
-        # Progressive filling: the most constrained link (least capacity per
-        # unit of weight) fixes its flows' rates, in proportion to their weights.
-        left = {l: c for l, c in self.capacity.items()}
-        unfixed = set(range(len(self.flows)))
-        while unfixed:
-            weights: dict = {}
-            for i in unfixed:
-                for l in self.flows[i].links:
-                    weights[l] = weights.get(l, 0.0) + self.flows[i].weight
-            link = min(weights, key=lambda l: left[l] / weights[l])
-            share = left[link] / weights[link]
-            for i in [i for i in unfixed if link in self.flows[i].links]:
-                flow = self.flows[i]
-                flow.rate = share * flow.weight
-                unfixed.discard(i)
-                for l in flow.links:
-                    left[l] -= flow.rate
-        self._epoch += 1
-        epoch = self._epoch
-        if self.flows:
-            t = min(self.now + max(f.remaining, 0) / f.rate for f in self.flows)
-            self.at(t, lambda: self._finish(epoch))
-
-    def _finish(self, epoch: int) -> None:
-        if epoch != self._epoch:
-            return
-        self._advance()
-        done = [f for f in self.flows if f.remaining <= 1e-3]  # bytes; float rounding
-        if not done:  # rounding: finish the nearest one
-            done = [min(self.flows, key=lambda f: f.remaining)]
-        self.flows = [f for f in self.flows if f not in done]
-        self._reschedule()
-        for f in done:
-            f.done()
-
-    def run(self, until: Callable[[], bool]) -> None:
-        while self._events and not until():
-            t, _, fn = heapq.heappop(self._events)
-            self.now = t
-            fn()
+LAYOUTS = ideal_lib.LAYOUTS
 
 
 class _Servers:
     """The PS tasks' versions: a partition's version k+1 exists once every
     simulated worker's iteration-k push of it has arrived."""
 
-    def __init__(self, sim: _Sim, pushers: int):
+    def __init__(self, sim: FluidSim, pushers: int):
         self.sim, self.pushers = sim, pushers
         self.available: dict[tuple, float] = {}  # (key, partition, version) -> time at PS
         self._pushes: dict[tuple, int] = {}
@@ -193,9 +103,9 @@ class _Servers:
 class _Worker:
     """One worker's engine, compute and pulls, in virtual time."""
 
-    def __init__(self, sim: _Sim, profile: dict, dispatch: Dispatch, num_ps: int,
+    def __init__(self, sim: FluidSim, profile: dict, dispatch: Dispatch, num_ps: int,
                  iterations: int, compute_scale: float, latency_s: float, rpc_overhead_s: float,
-                 network: "_Network", servers: _Servers, index: int = 0,
+                 network: ClusterLinks, servers: _Servers, index: int = 0,
                  rpc_per_byte_s: float = 0.0):
         self.sim, self.dispatch, self.servers = sim, dispatch, servers
         self.push_links = lambda ps: network.push_links(index, ps)
@@ -252,7 +162,7 @@ class _Worker:
             return
         self._forward()
 
-    # -- gradients out (Engine._pump / _sender / _pushed) -----------------------------
+    # -- gradients out (GradientsOut.pump / sender / _pushed) -----------------------
 
     def _grad_ready(self, key: int, iteration: int) -> None:
         if self.dispatch.starts_iteration(iteration):
@@ -287,7 +197,7 @@ class _Worker:
             self._drain()
         self.sim.at(end, pushed)
 
-    # -- parameters in (Engine._pull_version) ---------------------------------------
+    # -- parameters in (ParametersIn.pull_version) -----------------------------------
 
     def _next_pull(self, ps: int) -> None:
         """One stream per PS at a time, versions in the order asked (the puller thread)."""
@@ -333,89 +243,6 @@ class _Worker:
             self._forward()
 
 
-class _Network:
-    """The links each message crosses, by layout (see the module doc).
-
-    dedicated: PS hosts of their own; one worker is simulated and PS p's link
-    carries the W workers' identical flows, so it gets 1/W of it.
-    colocated: PS p lives on worker host ``p % W``; every worker is simulated
-    (the placement need not be symmetric), and each host has one link each
-    way. A message between two hosts crosses the sender's uplink and the
-    receiver's downlink; one within a host crosses none.
-    """
-
-    def __init__(self, layout: str, workers: int, num_ps: int, bytes_per_s: float):
-        self.layout, self.workers = layout, workers
-        #: Workers simulated: all of them when colocated, else one by symmetry.
-        self.simulated = workers if layout == "colocated" else 1
-        self.capacity = {}
-        for w in range(self.simulated):
-            self.capacity["w", w, "up"] = self.capacity["w", w, "down"] = bytes_per_s
-        if layout == "dedicated":
-            for ps in range(num_ps):
-                self.capacity["ps", ps, "up"] = bytes_per_s / workers
-                self.capacity["ps", ps, "down"] = bytes_per_s / workers
-
-    def push_links(self, worker: int, ps: int) -> tuple:
-        if self.layout == "dedicated":
-            return (("w", worker, "up"), ("ps", ps, "down"))
-        host = ps % self.workers
-        return () if host == worker else (("w", worker, "up"), ("w", host, "down"))
-
-    def pull_links(self, worker: int, ps: int) -> tuple:
-        if self.layout == "dedicated":
-            return (("ps", ps, "up"), ("w", worker, "down"))
-        host = ps % self.workers
-        return () if host == worker else (("w", host, "up"), ("w", worker, "down"))
-
-
-LAYOUTS = ideal_lib.LAYOUTS
-
-
-def message_rate_ratios(share_sigma: float, flows: int, *, message_bytes: int = 1 << 18,
-                        messages: int = 2000, seed: int = 0) -> list:
-    """Each message's rate over the fair share, when ``flows`` connections
-    keep one link busy with back-to-back messages and flows share it with
-    weights of that ``share_sigma``: what ``benchmarks/flow_share.py``
-    measures on the emulated link, here in the fluid model, to fit one to
-    the other. The first tenth is left out (all flows started together)."""
-    if not isinstance(flows, int) or flows < 1:
-        raise ValueError(f"flows must be an int >= 1. Received: {flows!r}")
-    capacity = 1e6  # bytes/s; the ratios do not depend on it
-    sim = _Sim({"link": capacity}, share_sigma, seed)
-    spans: list = []
-
-    def send() -> None:
-        start = sim.now
-
-        def done() -> None:
-            spans.append(sim.now - start)
-            send()
-        sim.start_flow(message_bytes, ("link",), done)
-    for _ in range(flows):
-        sim.at(0.0, send)
-    sim.run(until=lambda: len(spans) >= messages)
-    fair = capacity / flows
-    return [message_bytes / t / fair for t in spans[messages // 10:messages]]
-
-
-def fit_share_sigma(median_ratio: float, flows: int, *, seed: int = 0) -> float:
-    """The ``share_sigma`` whose simulated messages have the measured median
-    rate over the fair share (bisection; the median grows with the sigma
-    from 1, fair sharing, towards ``flows``, one message at a time)."""
-    if not 1.0 <= median_ratio < flows:
-        raise ValueError(f"median_ratio must be in [1, flows={flows}). "
-                         f"Received: {median_ratio!r}")
-    low, high = 0.0, 4.0
-    for _ in range(20):
-        mid = (low + high) / 2
-        if statistics.median(message_rate_ratios(mid, flows, seed=seed)) < median_ratio:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
-
-
 def specs_of(profile: dict):
     """The variable specs of a profile, as the engine registers them (key = priority)."""
     return [types.SimpleNamespace(key=i, shape=v["shape"], dtype="float32", priority=i)
@@ -450,9 +277,10 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
       framing: wire bytes per message byte (``ideal.TCP_FRAMING``: TCP
         headers; 1.0 for a shaper that counts message bytes).
       share_sigma: 0 shares every link evenly among its flows; above 0, each
-        message's weight is log-normal with this sigma (see ``_Sim``), drawn
-        from a generator seeded with ``seed``. In the dedicated layout one
-        worker stands for all, so the workers cannot drift apart there.
+        message's weight is log-normal with this sigma (see
+        ``simulate_network.FluidSim``), drawn from a generator seeded with
+        ``seed``. In the dedicated layout one worker stands for all, so the
+        workers cannot drift apart there.
 
     Returns:
       ``{"scheduler", "step_time_s", "step_times_s", "ideal_step_time_s", "ideal",
@@ -482,8 +310,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
                          f"warmup={warmup}")
     specs = specs_of(profile)
     rate = ideal_lib.payload_bytes_per_s(bandwidth_mbit, framing) or math.inf
-    network = _Network(layout, workers, num_ps, rate)
-    sim = _Sim(network.capacity, share_sigma, seed)
+    network = ClusterLinks(layout, workers, num_ps, rate)
+    sim = FluidSim(network.capacity, share_sigma, seed)
     servers = _Servers(sim, network.simulated)
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
     simulated = []

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from prophet_tf.bench import ideal, simulate
+from prophet_tf.bench import ideal, simulate, simulate_flow_share, simulate_network
 from prophet_tf.ps import shaping
 from prophet_tf.engine import dispatch, schedulers
 
@@ -327,7 +327,7 @@ def test_uneven_sharing_keeps_the_links_full_and_shares_them_by_weight():
     """With weights a link is still filled (each flow at its weight's part of
     it); with share_sigma 0 every message runs at the fair share, and the
     larger the sigma, the more messages run faster than it while others wait."""
-    sim = simulate._Sim({"a": 100.0, "b": 30.0}, share_sigma=1.0, seed=3)
+    sim = simulate_network.FluidSim({"a": 100.0, "b": 30.0}, share_sigma=1.0, seed=3)
     done = []
     for links in [("a",), ("a",), ("a", "b")]:
         sim.start_flow(1e6, links, lambda: done.append(1))
@@ -337,20 +337,21 @@ def test_uneven_sharing_keeps_the_links_full_and_shares_them_by_weight():
     assert sum(rates) == pytest.approx(100.0)  # link a full
     assert rates[2] <= 30.0 + 1e-9  # link b caps the third flow
     assert rates[0] / rates[1] == pytest.approx(weights[0] / weights[1])
-    even = simulate.message_rate_ratios(0.0, 3, messages=300)
+    even = simulate_flow_share.message_rate_ratios(0.0, 3, messages=300)
     assert even == pytest.approx([1.0] * len(even))
-    medians = [statistics.median(simulate.message_rate_ratios(s, 3, messages=600))
+    medians = [statistics.median(simulate_flow_share.message_rate_ratios(s, 3, messages=600))
                for s in (0.5, 1.0, 2.0)]
     assert 1.0 < medians[0] < medians[1] < medians[2] < 3.0
 
 
 @pytest.mark.timeout(120)
 def test_share_sigma_is_fitted_to_a_median_and_seeds_repeat():
-    sigma = simulate.fit_share_sigma(1.5, 3)
+    sigma = simulate_flow_share.fit_share_sigma(1.5, 3)
     assert 0.5 < sigma < 2.0
-    assert statistics.median(simulate.message_rate_ratios(sigma, 3)) == pytest.approx(1.5, rel=0.03)
+    fitted = simulate_flow_share.message_rate_ratios(sigma, 3)
+    assert statistics.median(fitted) == pytest.approx(1.5, rel=0.03)
     with pytest.raises(ValueError, match="Received: 3.5"):
-        simulate.fit_share_sigma(3.5, 3)
+        simulate_flow_share.fit_share_sigma(3.5, 3)
     with pytest.raises(ValueError, match="share_sigma=-1"):
         simulate.simulate(TOY, "fifo", 2, 2, 100, layout="colocated", share_sigma=-1)
     runs = [simulate.simulate(TOY, "p3", 2, 2, 100, layout="colocated", share_sigma=1.0,

@@ -18,9 +18,11 @@ what such an update cannot see:
 * :data:`WHOLE_VARIABLE` optimizers (norms or factorisations over a tensor)
   are exact only while no variable is split into row ranges; the PS checks
   that at Register (:func:`check_partitioning`).
-* Anything else is refused. ``Nadam`` keeps one ``u_product`` for all
-  variables and advances it at every ``apply``: applied per partition it would
-  advance once per partition instead of once per iteration.
+* :data:`PER_ITERATION`: elementwise, but with state shared by all variables
+  that every ``apply`` advances (Nadam's ``u_product``); the PS rewinds it
+  before each partition's update, so it advances once per iteration
+  (:mod:`prophet_tf.per_iteration`).
+* Anything else is refused.
 
 Options refused (:data:`REFUSED_OPTIONS`): Keras accumulates gradients and
 keeps the moving average inside ``optimizer.apply`` on the worker, before its
@@ -33,7 +35,7 @@ import json
 from typing import Sequence
 
 __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE",
-           "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "MAX_ECHO_CHARS",
+           "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "MAX_ECHO_CHARS",
            "check_optimizer", "check_options", "needs_whole_variables", "check_partitioning",
            "parse_config", "comparable", "global_clipnorm", "loss_scaling"]
 
@@ -51,7 +53,10 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax
                "Lion")
 #: Optimizers that need a whole variable (norms/factorisations over it).
 WHOLE_VARIABLE = ("Lamb", "Adafactor")
-SUPPORTED_OPTIMIZERS = ELEMENTWISE + WHOLE_VARIABLE
+#: Elementwise optimizers with state shared by all variables that every
+#: ``apply`` advances (prophet_tf.per_iteration).
+PER_ITERATION = ("Nadam",)
+SUPPORTED_OPTIMIZERS = ELEMENTWISE + WHOLE_VARIABLE + PER_ITERATION
 
 _ON_THE_WORKER = ("Keras does it in optimizer.apply on each worker, to that worker's own "
                   "share of the gradient before the PS sums the shares")
@@ -79,8 +84,8 @@ def check_optimizer(kind: str) -> None:
         raise ValueError(
             "The parameter server applies the optimizer one partition at a time and "
             f"supports the built-in Keras optimizers {list(SUPPORTED_OPTIMIZERS)}; {kind} "
-            "keeps state across variables (Nadam's u_product, LossScaleOptimizer's "
-            f"skipped iterations) or is unknown to it. Received: optimizer={kind}")
+            "keeps state across variables (LossScaleOptimizer's skipped iterations) or is "
+            f"unknown to it. Received: optimizer={kind}")
 
 
 def _options(config: dict) -> dict:

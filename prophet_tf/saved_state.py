@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from prophet_tf import codec
+from prophet_tf import codec, per_iteration
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,8 @@ class SavedState:
                     whole[...] = part
         for (name, key), whole in values.items():
             slots[name][index_of[key]].assign(whole)
+        # Not a slot: Nadam's u_product follows from the step count alone.
+        per_iteration.set_after(optimizer, step)
 
 
 def _keys(optimizer, trained: list) -> list:

@@ -8,7 +8,11 @@ Before a partition's update for iteration k the optimizer's iteration counter
 is set to k and ``optimizer.apply`` runs for that partition alone (both in one
 ``tf.function`` traced per partition), so learning rate schedules, Adam's bias
 correction and weight decay see exactly what single-process Keras sees at
-iteration k (which optimizers allow that: :mod:`prophet_tf.keras_optimizer`).
+iteration k (which optimizers allow that: :mod:`prophet_tf.optimizer_policy`).
+An optimizer variable shared by all variables that advances at every ``apply``
+(Nadam's ``u_product``) is rewound to its value at the start of iteration k
+before each partition's update, so it advances once per iteration, as in
+single-process Keras (:mod:`prophet_tf.per_iteration`).
 A learning rate changed on the workers (callbacks) arrives with each
 iteration's pushes; schedules run here. A step of a loss-scaled model that
 overflowed is skipped (:mod:`prophet_tf.ps.verdicts`): the partition's next
@@ -27,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from prophet_tf import per_iteration
 from prophet_tf.ps import aggregation, protocol
 
 __all__ = ["Applier", "read"]
@@ -81,6 +86,7 @@ class Applier:
         # (the servicer's state lock is held: taking self.lock here would
         # invert the apply thread's lock order).
         self._optimizer, self._current_learning_rate = optimizer, None
+        self._rewinder = None  # made at the first update: the optimizer is built by then
 
     def set_learning_rate_locked(self, iteration: int, learning_rate: float) -> None:
         """Records an iteration's learning rate; under the state lock."""
@@ -138,6 +144,9 @@ class Applier:
             self._current_learning_rate = learning_rate
         if part.apply_fn is None:
             part.apply_fn = self._trace(part)
+        if self._rewinder is None:
+            self._rewinder = per_iteration.Rewinder(self._optimizer)
+        self._rewinder.before_update(optimizer_iteration)
         return part.apply_fn(total.reshape(part.shape), optimizer_iteration)
 
     def _trace(self, part) -> Callable[[np.ndarray, int], np.ndarray]:

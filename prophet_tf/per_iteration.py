@@ -1,0 +1,87 @@
+"""Optimizer state that every ``optimizer.apply`` advances once, whichever
+variables it updates: Nadam's ``u_product``, the product of its momentum
+schedule, the one such state among Keras 3's built-in optimizers
+(``optimizer_policy.PER_ITERATION``).
+
+The PS applies a step one partition at a time, so that state would advance once
+per partition; :class:`Rewinder` keeps it at one advance per step. Where a step
+count is all there is (a PS task that resumes at step n, a worker's optimizer
+saved with a model) :func:`set_after` sets it from the count alone: after n
+applies ``u_product`` is the product of ``beta_1 * (1 - 0.5 * 0.96**k)`` for k = 1..n,
+in the variable's dtype, as Keras multiplies it.
+
+Imports neither TensorFlow nor Keras (the optimizer object is handed in).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from prophet_tf import optimizer_policy
+
+__all__ = ["tracked", "value_after", "set_after", "Rewinder"]
+
+
+def tracked(optimizer) -> bool:
+    """Whether ``optimizer`` has per-apply state (a Keras 3 Nadam)."""
+    return type(optimizer).__name__ in optimizer_policy.PER_ITERATION and hasattr(
+        optimizer, "_u_product")
+
+
+def value_after(optimizer, applies: int) -> np.ndarray:
+    """Nadam's ``u_product`` after ``applies`` steps of ``optimizer``.
+
+    Keras computes ``u * beta_1 * (1 - 0.5 * 0.96**(k))`` at step k, each
+    operation rounded to the variable's dtype; so does this (``0.96**k`` may
+    differ from TensorFlow's ``pow`` in the last bit). Within about a thousand
+    steps the product reaches a fixed point (0 or a denormal that ``beta_1``
+    rounds back to itself, once ``0.96**k`` no longer changes the factor), and
+    stays there.
+    """
+    if not isinstance(applies, int) or applies < 0:
+        raise ValueError(f"applies must be an int >= 0. Received: {applies!r}")
+    dtype = np.dtype(optimizer._u_product.dtype).type  # Keras 3 names it: "float32"
+    u, beta_1 = dtype(1.0), dtype(optimizer.beta_1)
+    half, one, decay = dtype(0.5), dtype(1.0), dtype(0.96)
+    for k in range(1, applies + 1):
+        factor = one - half * np.power(decay, dtype(k))
+        before, u = u, (u * beta_1) * factor
+        if u == before and factor == one:
+            break
+    return np.asarray(u, dtype)
+
+
+def set_after(optimizer, applies: int) -> None:
+    """Sets ``optimizer``'s per-apply state to its value after ``applies`` steps
+    (nothing for an optimizer without one)."""
+    if tracked(optimizer):
+        optimizer._u_product.assign(value_after(optimizer, applies))
+
+
+class Rewinder:
+    """Keeps the per-apply state of the PS's optimizer at one advance per step.
+
+    The first update of an optimizer step records the state (the previous
+    step's updates all ended on the same value) and each later update of that
+    step first sets it back, so each advances it from the same start to the
+    same end, as Keras' one ``apply`` of the whole model does: exact, since
+    Keras' own arithmetic makes every value. A step that does not follow the
+    last one (the first after a resume) starts from :func:`set_after`. A
+    skipped step (an overflow) applies nothing and advances nothing, as in Keras.
+    """
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer if tracked(optimizer) else None
+        self._step: int | None = None
+        self._start = None
+
+    def before_update(self, step: int) -> None:
+        """Before the update of one partition at optimizer step ``step``."""
+        if self._optimizer is None:
+            return
+        state = self._optimizer._u_product
+        if step == self._step:
+            state.assign(self._start)
+            return
+        if self._step is None or step != self._step + 1:
+            set_after(self._optimizer, step)
+        self._step, self._start = step, np.array(state.numpy())

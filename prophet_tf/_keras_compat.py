@@ -30,9 +30,18 @@ __all__ = ["is_autocast_variable", "is_optimizer", "is_tf_keras_optimizer",
            "closure_contents", "search_closures"]
 
 # tf_keras optimizers whose Keras 3 class of the same name applies the same update:
-# those the PS supports (prophet_tf.optimizer_policy), but Lamb, which tf_keras lacks.
+# those the PS supports (prophet_tf.optimizer_policy), but Lamb, which tf_keras lacks,
+# and Nadam (below).
 CONVERTIBLE_OPTIMIZERS = tuple(kind for kind in optimizer_policy.SUPPORTED_OPTIMIZERS
-                               if kind != "Lamb")
+                               if kind not in ("Lamb", "Nadam"))
+# tf_keras' Nadam counts its u_product's advances in a Python integer, which a
+# compiled train step increments only while tracing: under `fit` it advances the
+# product once per variable per step, Keras 3's once per step.
+_NADAM = ("tf_keras' Nadam advances its momentum-schedule product (u_product) once per "
+          "variable in each compiled train step (its counter is a Python integer, "
+          "incremented only while tracing), Keras 3's Nadam once per step; the parameter "
+          "server applies Keras 3's and cannot reproduce tf_keras'. Use "
+          "keras.optimizers.Nadam (Keras 3) or another optimizer.")
 CONVERTIBLE_SCHEDULES = ("ExponentialDecay", "PiecewiseConstantDecay", "PolynomialDecay",
                          "InverseTimeDecay", "CosineDecay", "CosineDecayRestarts")
 # tf_keras config entries with no Keras 3 counterpart, dropped: jit_compile
@@ -81,6 +90,8 @@ def _check_current(optimizer) -> str:
             "prophet_tf.Strategy does not support the legacy tf_keras optimizers "
             f"(tf_keras.optimizers.legacy.*); use tf_keras.optimizers.{kind} instead. "
             f"Received: optimizer={type(optimizer).__module__}.{kind}")
+    if kind == "Nadam" and type(optimizer) is getattr(tf_keras.optimizers, kind, None):
+        raise ValueError(f"{_NADAM} Received: optimizer={type(optimizer).__module__}.{kind}")
     if kind not in CONVERTIBLE_OPTIMIZERS or type(optimizer) is not getattr(
             tf_keras.optimizers, kind, None):
         raise ValueError(

@@ -10,7 +10,12 @@ saved with a model) :func:`set_after` sets it from the count alone: after n
 applies ``u_product`` is the product of ``beta_1 * (1 - 0.5 * 0.96**k)`` for k = 1..n,
 in the variable's dtype, as Keras multiplies it.
 
-Imports neither TensorFlow nor Keras (the optimizer object is handed in).
+On a worker the PS applies the optimizer, so the worker's Nadam must not
+advance its own ``u_product`` (a trainable variable, so one whose value lives
+on the PS): :func:`leave_to_the_ps` makes Keras' Nadam skip that under the
+strategy that asks for it, and only there.
+
+Imports neither TensorFlow nor Keras at import time.
 """
 from __future__ import annotations
 
@@ -18,13 +23,15 @@ import numpy as np
 
 from prophet_tf import optimizer_policy
 
-__all__ = ["tracked", "value_after", "set_after", "Rewinder"]
+__all__ = ["tracked", "value_after", "set_after", "Rewinder", "leave_to_the_ps"]
 
 
 def tracked(optimizer) -> bool:
-    """Whether ``optimizer`` has per-apply state (a Keras 3 Nadam)."""
-    return type(optimizer).__name__ in optimizer_policy.PER_ITERATION and hasattr(
-        optimizer, "_u_product")
+    """Whether ``optimizer`` has per-apply state (a Keras 3 Nadam; tf_keras' keeps
+    its own, which the PS, applying Keras 3's, never reads)."""
+    return (type(optimizer).__name__ in optimizer_policy.PER_ITERATION
+            and type(optimizer).__module__.startswith("keras.")
+            and hasattr(optimizer, "_u_product"))
 
 
 def value_after(optimizer, applies: int) -> np.ndarray:
@@ -85,3 +92,30 @@ class Rewinder:
         if self._step is None or step != self._step + 1:
             set_after(self._optimizer, step)
         self._step, self._start = step, np.array(state.numpy())
+
+
+def leave_to_the_ps(strategy_type: type) -> None:
+    """Makes Keras 3's Nadam skip its ``u_product`` advance when it was created
+    under a ``strategy_type`` strategy, whose PS advances it (:class:`Rewinder`).
+    Elsewhere Nadam runs as it is. Idempotent.
+
+    Keras' Nadam advances ``u_product`` in ``_backend_update_step``, before the
+    update reaches the strategy, in the train step's ``tf.function``; in a
+    prophet_tf worker that variable, created trainable, lives on the PS and
+    cannot be assigned there (fit and custom loops alike).
+    """
+    import keras
+
+    nadam = keras.optimizers.Nadam
+    if getattr(nadam._backend_update_step, "_left_to_the_ps", False):
+        return
+    advancing = nadam._backend_update_step
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if isinstance(getattr(self, "_distribution_strategy", None), strategy_type):
+            return super(nadam, self)._backend_update_step(grads, trainable_variables,
+                                                           learning_rate)
+        return advancing(self, grads, trainable_variables, learning_rate)
+
+    _backend_update_step._left_to_the_ps = True
+    nadam._backend_update_step = _backend_update_step

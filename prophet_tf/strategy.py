@@ -48,6 +48,7 @@ from prophet_tf import devices
 from prophet_tf import distributed_input
 from prophet_tf import keras_optimizer
 from prophet_tf import loss_scaling
+from prophet_tf import per_iteration
 from prophet_tf import saved_state
 from prophet_tf import strategy_checks as checks
 from prophet_tf import whole_data
@@ -111,6 +112,7 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
                         rpc_timeout_s=rpc_timeout_s, timeline=timeline,
                         make_shapers=shaping.from_env, runtime=_native)
         _native.load()  # Fail here, with the rebuild hint, if the op library is broken.
+        per_iteration.leave_to_the_ps(Strategy)  # Nadam's u_product: the PS advances it
         distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine, rpc_timeout_s,
                                                           device=device))
 

@@ -195,6 +195,8 @@ def make_optimizer(name: str):
         return opt.SGD(0.1, momentum=0.9)
     if name == "adam":
         return opt.Adam(0.01)
+    if name == "nadam_schedule":
+        return opt.Nadam(opt.schedules.ExponentialDecay(0.02, decay_steps=1, decay_rate=0.7))
     if name == "schedule":
         return opt.SGD(opt.schedules.ExponentialDecay(0.2, decay_steps=1, decay_rate=0.7))
     if name == "adamw":
@@ -446,6 +448,7 @@ def main(argv=None) -> int:
     parser.add_argument("--scenario", choices=["train", "misuse"], default="train")
     parser.add_argument("--optimizer", choices=["sgd", "momentum", "adam", "schedule", "adamw",
                                                 "momentum+clipnorm", "schedule+clipvalue",
+                                                "nadam_schedule+clipvalue",
                                                 "adam+clipnorm", "sgd+global_clipnorm"],
                         default="sgd")
     parser.add_argument("--model", choices=["mlp", "bn", "cnn"], default="mlp")

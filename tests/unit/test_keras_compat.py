@@ -85,7 +85,6 @@ OPTIMIZERS = {
                            l2_regularization_strength=0.02, beta=0.1),
     "Lion": lambda: T.Lion(0.001, beta_1=0.8),
     "Adafactor": lambda: T.Adafactor(0.1),
-    "Nadam": lambda: T.Nadam(0.01),
     "SGD-weight-decay": lambda: T.SGD(0.1, momentum=0.5, weight_decay=0.01),
 }
 
@@ -183,6 +182,8 @@ class Halving(S.LearningRateSchedule):
     (lambda: MySGD(0.1), ["built-in", "Received: optimizer=", "MySGD"]),
     (lambda: tf_keras.mixed_precision.LossScaleOptimizer(T.SGD(0.1)),
      ["LossScaleOptimizer", "Received: optimizer="]),
+    (lambda: T.Nadam(0.01), ["Nadam", "u_product", "once per variable",
+                             "keras.optimizers.Nadam", "Received: optimizer=tf_keras"]),
     (lambda: T.Adam(0.01, adaptive_epsilon=True), ["adaptive_epsilon",
                                                    "Received: adaptive_epsilon=True"]),
     (lambda: T.SGD(Halving()), ["schedule", "Received: learning_rate=", "Halving"]),

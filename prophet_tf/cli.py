@@ -19,7 +19,7 @@ _COMMANDS = {
     "launch": ("prophet_tf.tools.launch", "start PS tasks and worker processes on localhost"),
     "doctor": ("prophet_tf.tools.doctor", "check versions, the op library and the PS tasks of TF_CONFIG"),
     "plot": ("prophet_tf.tools.plot", "draw timelines (Gantt chart per worker) or a bench result"),
-    "bench": ("prophet_tf.bench.runner", "compare schedulers on an emulated bandwidth-limited cluster"),
+    "bench": ("prophet_tf.bench.bench_cli", "compare schedulers on an emulated bandwidth-limited cluster"),
     "simulate": ("prophet_tf.bench.simulate_cli", "simulate the schedulers on a profiled model at any scale"),
     "report": ("prophet_tf.bench.report", "render or check the README's result tables from their JSON"),
 }

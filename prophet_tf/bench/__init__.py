@@ -1,7 +1,9 @@
 """Measuring the schedulers: an emulated cluster, the bench, the ideal bound, a simulator.
 
 - :mod:`prophet_tf.bench.netns`: hosts in network namespaces with tc-shaped links.
-- :mod:`prophet_tf.bench.runner`: ``prophet-tf bench``.
+- :mod:`prophet_tf.bench.bench_cli`: ``prophet-tf bench``; :mod:`prophet_tf.bench.runner`: a
+  configuration's runs; :mod:`prophet_tf.bench.training_run`: one run;
+  :mod:`prophet_tf.bench.results`: its JSON and table.
 - :mod:`prophet_tf.bench.worker`: the training process of one bench worker.
 - :mod:`prophet_tf.bench.models`: the bench models and per-variable compute profiles.
 - :mod:`prophet_tf.bench.ideal`: the ideal step time of a run.

@@ -45,7 +45,7 @@ import re
 import statistics
 
 from prophet_tf.bench import link_load
-from prophet_tf.bench.runner import WARMUP_STEPS
+from prophet_tf.bench.results import WARMUP_STEPS
 
 __all__ = ["breakdown", "phase_offsets", "answer_tails", "uplinks", "step_events",
            "STEP_EVENTS", "main"]

@@ -1,7 +1,7 @@
 """How busy an emulated cluster's links were, from its hosts' byte counters.
 
 The bench reads each emulated host's interface counters every
-``runner.SAMPLE_PERIOD_S`` (``netns.interface_bytes``). A sample is
+``training_run.SAMPLE_PERIOD_S`` (``netns.interface_bytes``). A sample is
 ``(time.monotonic(), {host: (received, sent) or None})``; None where the
 host's process is gone. A link's load over a span is the bytes its interface
 counted over what the link's payload rate (the ideal bound's B) carries in

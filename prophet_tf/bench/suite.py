@@ -14,7 +14,7 @@ Each cell is one ``prophet-tf bench`` invocation. Its time scale is chosen so
 that every link runs at the rate the suite's transport budget allows
 (``transport_mbit``, split over the workers a host serves): the cluster's
 compute/communication ratio is kept while this machine's cores carry the
-bytes (see ``runner``). The JSON is rewritten after every cell, so an
+bytes (see ``bench_cli``). The JSON is rewritten after every cell, so an
 interrupted suite loses at most the cell it was running; run the same command
 again and the cells already in the JSON are kept and not run again.
 """
@@ -162,7 +162,7 @@ def run_suite(name: str, json_path: str | None, run_cell: Callable, default_host
     """Runs every cell of suite ``name`` not already in ``json_path``; returns the JSON dict.
 
     ``run_cell(argv, out)`` runs one `prophet-tf bench` (``argv``: its arguments) and
-    returns its result (the runner's, handed in so this module does not import it);
+    returns its result (bench_cli's, handed in so this module does not import it);
     ``default_host_queue``: the bench's, for cells recorded before they named theirs.
     """
     suite = SUITES[name]

@@ -32,118 +32,37 @@ import argparse
 import json
 import logging
 import os
-import re
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 from prophet_tf import cluster as cluster_lib
 from prophet_tf import environment, progress
 from prophet_tf.tools import board as board_lib
+from prophet_tf.tools import launched_tasks, processes
 from prophet_tf.tools.gpus import CUDA_DEVICES_ENV, gpu_devices
+from prophet_tf.tools.launched_tasks import TF_LOG_LEVEL_ENV, Task
 
 logger = logging.getLogger(__name__)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_LEVEL_ENV = environment.LOG_LEVEL
-# TensorFlow's C++ log level; the launcher gives tasks 2 (warnings and errors
-# hidden) unless the caller set it.
-TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
-# What TensorFlow prints at import before its logging honours TF_CPP_MIN_LOG_LEVEL
-# (TensorFlow 2.21: once per loaded library). Dropped from a task's output when its
-# TF_CPP_MIN_LOG_LEVEL hides informational messages (>= 1).
-_STARTUP_BANNERS = (re.compile(rb"^WARNING: All log messages before absl::InitializeLog\(\) "
-                               rb"is called are written to STDERR\r?$"),
-                    re.compile(rb"^I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations "
-                               rb"are on\."))
-def _check_executable(program: str, env: dict[str, str]) -> None:
-    """Raises what Popen would for a program that cannot run (a missing or non-executable file)."""
-    if os.sep in program:
-        if not os.path.exists(program):
-            raise FileNotFoundError(2, "No such file or directory", program)
-        if os.path.isdir(program) or not os.access(program, os.X_OK):
-            raise PermissionError(13, "Permission denied", program)
-    elif shutil.which(program, path=env.get("PATH", os.defpath)) is None:
-        raise FileNotFoundError(2, "No such file or directory (not on PATH)", program)
 
 
 class _Interrupted(Exception):
     """SIGTERM/SIGINT reached the launcher while it was starting the PS tasks."""
 
 
-class Task:
-    """One child process whose output is relayed line by line with a prefix."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], out=None):
-        self.name = name
-        self._out = out or sys.stdout
-        self.status_file = env.get(progress.STATUS_FILE_ENV)
-        self._terminated = False
-        self._drop_banners = env.get(TF_LOG_LEVEL_ENV, "0").strip() not in ("", "0")
-        logger.debug("starting %s: %s", name, " ".join(argv))
-        _check_executable(argv[0], env)  # The shim below would only exit 127.
-        # No preexec_fn: see prophet_tf/tools/_die_with_parent.py for why.
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "prophet_tf.tools._die_with_parent", str(os.getpid()), *argv],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self._relay = threading.Thread(target=self._pump, name=f"relay-{name}", daemon=True)
-        self._relay.start()
-
-    def _pump(self):
-        prefix = f"[{self.name}] ".encode()
-        for line in iter(self.process.stdout.readline, b""):
-            if self._drop_banners and any(b.match(line) for b in _STARTUP_BANNERS):
-                continue
-            self._out.buffer.write(prefix + line) if hasattr(self._out, "buffer") else \
-                self._out.write((prefix + line).decode(errors="replace"))
-            self._out.flush()
-
-    def poll(self):
-        return self.process.poll()
-
-    def status(self) -> dict | None:
-        """What the task last wrote to its status file (workers only)."""
-        return progress.read_status(self.status_file) if self.status_file else None
-
-    def terminate(self) -> None:
-        # Once: a second SIGTERM could land after the task's handler is gone
-        # (while the interpreter exits) and kill a graceful shutdown.
-        if self.process.poll() is None and not self._terminated:
-            self._terminated = True
-            self.process.terminate()
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM (unless already sent), then SIGKILL after `grace_s`; always reaps."""
-        if self.process.poll() is None:
-            self.terminate()
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._relay.join(timeout=2.0)
-
-
-def _wait_for_port_file(task: Task, path: str, timeout_s: float,
-                        stopping: threading.Event) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _alive(task: Task, stopping: threading.Event, before: str):
+    """What a wait for ``task`` calls between looks: raises once the launcher is
+    interrupted or the task has exited (``before`` what it was waiting for)."""
+    def alive():
         if stopping.is_set():
             raise _Interrupted
         if task.poll() is not None:
-            raise RuntimeError(f"{task.name} exited with code {task.poll()} before it listened")
-        try:
-            text = open(path).read().strip()
-            if text:
-                return int(text)
-        except FileNotFoundError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{task.name} did not report its port within {timeout_s:.0f} s")
+            raise RuntimeError(f"{task.name} exited with code {task.poll()} before {before}")
+    return alive
 
 
 def _wait_healthy(task: Task, address: str, timeout_s: float,
@@ -151,14 +70,8 @@ def _wait_healthy(task: Task, address: str, timeout_s: float,
     """Waits for SERVING (with the cluster's token/TLS `security`, default from the env)."""
     from prophet_tf.ps import health  # grpc only, no TensorFlow
 
-    def alive():
-        if stopping.is_set():
-            raise _Interrupted
-        if task.poll() is not None:
-            raise RuntimeError(f"{task.name} exited with code {task.poll()} before it "
-                               "was SERVING")
-
-    health.wait_serving(address, timeout_s, alive=alive, security=security)
+    health.wait_serving(address, timeout_s, alive=_alive(task, stopping, "it was SERVING"),
+                        security=security)
 
 
 def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | None = None,
@@ -290,6 +203,10 @@ class _Cluster:
         self.verbose = verbose
         self.devices = devices  # worker i's CUDA_VISIBLE_DEVICES; None: left alone
 
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> Task:
+        logger.debug("starting %s: %s", name, " ".join(argv))
+        return Task(name, argv, env, self.out)
+
     def run(self, stopping: threading.Event, attempt: int | None) -> tuple[int, str]:
         """Starts the PS tasks, then the workers, and supervises them until the end.
 
@@ -311,12 +228,14 @@ class _Cluster:
                     env = dict(self.base_env)
                     if self.devices is not None:
                         env[CUDA_DEVICES_ENV] = ""  # A PS computes on the CPU: no GPU memory.
-                    tasks.append(Task(f"ps {i}", argv, env, self.out))
+                    tasks.append(self._start(f"ps {i}", argv, env))
                     board.add(tasks[-1].name, "ps")
                     ps_addresses.append((tasks[-1], port_file))
                 addresses = []
                 for task, port_file in ps_addresses:
-                    port = _wait_for_port_file(task, port_file, self.startup_timeout_s, stopping)
+                    port = processes.wait_for_port_file(
+                        port_file, self.startup_timeout_s, name=task.name,
+                        alive=_alive(task, stopping, "it listened"))
                     addresses.append(f"{host}:{port}")
                 for (task, _), address in zip(ps_addresses, addresses):
                     _wait_healthy(task, address, self.startup_timeout_s, stopping,
@@ -336,65 +255,20 @@ class _Cluster:
                         env[environment.SCHEDULER] = self.scheduler
                     if self.devices is not None:
                         env[CUDA_DEVICES_ENV] = self.devices[i]
-                    worker_tasks.append(Task(f"worker {i}", list(self.command), env, self.out))
+                    worker_tasks.append(self._start(f"worker {i}", list(self.command), env))
                     board.add(worker_tasks[-1].name, "worker")
                 tasks.extend(worker_tasks)
                 try:
-                    return _supervise(tasks, worker_tasks, stopping, board)
+                    return launched_tasks.supervise(tasks, worker_tasks, stopping, board)
                 finally:
-                    _stop_all(tasks, board)  # Before the status files go with `tmp`.
+                    launched_tasks.stop_all(tasks, board)  # Before the status files go with `tmp`.
         except _Interrupted:
             print("prophet-tf launch: interrupted while the PS tasks were starting; stopping "
                   "them", file=sys.stderr, flush=True)
             return 130, ""
         finally:
-            _stop_all(tasks, board)
+            launched_tasks.stop_all(tasks, board)
             board.print_summary(f"summary of attempt {attempt}" if attempt else "summary")
-
-
-def _stop_all(tasks: list[Task], board: board_lib.Board) -> None:
-    """Stops and reaps every task still running; records how each ended."""
-    running = {task.name for task in tasks if task.poll() is None}
-    for task in tasks:  # Signal everyone first: the PS grace periods overlap.
-        task.terminate()
-    for task in reversed(tasks):
-        task.stop()
-    for task in tasks:
-        board.progress(task.name, task.status())
-        board.exited(task.name, task.poll(), stopped_by_launcher=task.name in running)
-
-
-def _supervise(tasks: list[Task], workers: list[Task], stopping: threading.Event,
-               board: board_lib.Board) -> tuple[int, str]:
-    """Waits for all workers; the first failure (or a signal) stops everyone.
-
-    Returns:
-      The exit code, and what failed ("" if nothing did).
-    """
-    next_status = 0.0
-    while not stopping.is_set():
-        if time.monotonic() >= next_status:  # Status files change at most once a second.
-            next_status = time.monotonic() + 0.5
-            for task in workers:
-                if task.poll() is None:
-                    board.progress(task.name, task.status())
-        for task in tasks:
-            code = task.poll()
-            if code is None:
-                continue
-            board.progress(task.name, task.status())
-            board.exited(task.name, code)
-            if code != 0 or task not in workers:
-                what = f"{task.name} exited with code {code}"
-                print(f"prophet-tf launch: {what}; stopping the other tasks", file=sys.stderr,
-                      flush=True)
-                # Killed by signal N (code -N): exit 128+N like a shell would.
-                return (128 - code if code < 0 else code or 1), what
-        if all(w.poll() == 0 for w in workers):
-            return 0, ""
-        time.sleep(0.1)
-    print("prophet-tf launch: interrupted; stopping all tasks", file=sys.stderr, flush=True)
-    return 130, ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from prophet_tf.bench import link_load, report, runner, suite
+from prophet_tf.bench import bench_cli, link_load, report, results, suite
 from prophet_tf.tools import plot
 
 
@@ -15,23 +15,23 @@ def test_the_paper_suite_covers_its_models_bandwidths_and_worker_counts():
         (m, w, b) for m in ("resnet50", "inceptionv3", "vgg16") for w in (2, 4)
         for b in paper.bandwidths_mbit}
     assert len(paper.bandwidths_mbit) >= 2 and set(paper.schedulers.split(",")) == set(
-        runner.ALL_SCHEDULERS)
+        bench_cli.ALL_SCHEDULERS)
     for c in cells:
         # Each link runs at the rate the machine's transport carries for its
         # worker count, whatever the cluster's bandwidth.
         link = c["bandwidth_mbit"] / c["time_scale"]
         assert link == pytest.approx(paper.transport_mbit * 2 / c["workers"])
-        args = runner._parse(suite._argv(paper, c, None))  # every cell is a valid bench
+        args = bench_cli._parse(suite._argv(paper, c, None))  # every cell is a valid bench
         assert args.compute == "emulated" and args.ps == c["workers"]
-        assert args.steps > runner.WARMUP_STEPS and args.compute_reps == 0
+        assert args.steps > results.WARMUP_STEPS and args.compute_reps == 0
 
 
 def test_suite_options_cannot_be_overridden(capsys):
     with pytest.raises(SystemExit):
-        runner._parse(["--suite", "paper", "--workers", "3", "--steps", "20"])
+        bench_cli._parse(["--suite", "paper", "--workers", "3", "--steps", "20"])
     err = capsys.readouterr().err
     assert "Received: --steps, --workers" in err
-    args = runner._parse(["--suite", "smoke", "--json", "x.json", "--timeline-dir", "t"])
+    args = bench_cli._parse(["--suite", "smoke", "--json", "x.json", "--timeline-dir", "t"])
     assert args.suite == "smoke" and args.json == "x.json"
 
 
@@ -178,7 +178,7 @@ def test_link_loads_over_the_measured_window():
     reports = [{"train_window": [0.0, 2.0], "step_times_s": [0.25, 0.25, 0.5, 1.0]},
                {"train_window": [0.1, 1.8], "step_times_s": [0.2, 0.2, 0.7, 0.7]}]
     # After 2 warm-up steps: from 0.5 (the later worker) to 1.8 (the first to finish).
-    window = runner._measured_window(reports, 2)
+    window = results.measured_window(reports, 2)
     assert window == pytest.approx((0.5, 1.8))
     loads = link_load.link_loads(samples, window, payload_bytes_per_s=1000.0)
     assert loads["sent"] == pytest.approx([1.0, 0.5])

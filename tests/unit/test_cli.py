@@ -158,8 +158,8 @@ def test_reader_that_stops_early_ends_quietly():
 
 @pytest.mark.timeout(60)
 def test_bench_and_simulate_default_to_the_same_layout():
-    from prophet_tf.bench import runner, simulate_cli
-    bench, simulate = runner._parse([]), simulate_cli._parse([])
+    from prophet_tf.bench import bench_cli, simulate_cli
+    bench, simulate = bench_cli._parse([]), simulate_cli._parse([])
     assert bench.layout == simulate.layout == "colocated"
     # The same rule for the PS tasks: one per worker host when colocated, else 1.
     assert (bench.ps, simulate.ps) == (bench.workers, simulate.workers)
@@ -172,8 +172,8 @@ def test_bench_and_simulate_default_to_the_same_layout():
     ("bench", ["--workers", "--global-batch", "--layout"]),
     ("simulate", ["--layout", "--ps"])])
 def test_bench_and_simulate_options_have_help(command, options, capsys):
-    from prophet_tf.bench import runner, simulate_cli
-    parse = {"bench": runner._parse, "simulate": simulate_cli._parse}[command]
+    from prophet_tf.bench import bench_cli, simulate_cli
+    parse = {"bench": bench_cli._parse, "simulate": simulate_cli._parse}[command]
     with pytest.raises(SystemExit):
         parse(["--help"])
     text = " ".join(capsys.readouterr().out.split()).split(" options: ", 1)[1]

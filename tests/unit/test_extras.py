@@ -45,8 +45,9 @@ def test_the_runtime_imports_without_the_bench_extras():
 
 @pytest.mark.timeout(300)
 def test_a_command_without_its_extra_says_which_to_install(tmp_path):
-    """`simulate --plot` without matplotlib stops before simulating, and `report`
-    (no extra) still runs; the CLI prints the install line, not a traceback."""
+    """`simulate --plot` without matplotlib and `bench` of tf-mwms without tf_keras
+    stop before they start work, and `report` (no extra) still runs; the CLI prints
+    the install line, not a traceback."""
     code = "from prophet_tf import cli; sys.exit(cli.main(sys.argv[1:]))"
     png = tmp_path / "sweep.png"
     result = _run(code, "simulate", "--model", "cnn", "--sweep", "--plot", str(png))
@@ -55,5 +56,11 @@ def test_a_command_without_its_extra_says_which_to_install(tmp_path):
         "prophet-tf simulate: --plot needs matplotlib, which is not "
         'installed: pip install "prophet_tf[bench]" (or pip install matplotlib)')
     assert not png.exists() and result.stdout == ""
+    result = _run(code, "bench", "--schedulers", "prophet,tf-mwms", "--reps", "1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip() == (
+        "prophet-tf bench: the tf-mwms baseline (--schedulers ...,tf-mwms) needs tf_keras, "
+        'which is not installed: pip install --no-deps "tf_keras>=2.21,<2.22" (or, where '
+        'the `tensorflow` distribution is installed, pip install "prophet_tf[tf-keras]")')
     result = _run(code, "report", "--check", "docs/benchmarks.md")
     assert result.returncode == 0, result.stderr[-3000:]

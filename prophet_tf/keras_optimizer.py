@@ -13,8 +13,10 @@ and applies or skips each step as all workers' verdict says
 
 Gradient clipping happens on the PS, on the sum of all workers' gradients, as
 single-process Keras clips the global batch's gradient: the worker's optimizer
-does not clip (:func:`clip_on_the_ps`) and the PS's rebuilt optimizer clips
-inside its ``optimizer.apply`` of each partition. ``clipvalue`` is element-wise,
+does not clip (:func:`leave_to_the_ps`) and the PS's rebuilt optimizer clips
+inside its ``optimizer.apply`` of each partition. ``gradient_accumulation_steps``
+likewise: the worker's optimizer hands the strategy every step's gradient, and
+the PS's accumulates the sums (:mod:`prophet_tf.ps.accumulation`). ``clipvalue`` is element-wise,
 so exact on any partitioning; ``clipnorm`` takes one variable's norm, so it is
 exact while no variable is split into row ranges: the workers keep variables up
 to ``max_partition_bytes`` whole (``needs_whole_variables``) and the PS
@@ -33,13 +35,14 @@ import json
 from typing import Sequence
 
 from prophet_tf import _keras_compat
-from prophet_tf.optimizer_policy import (CLIPPING_OPTIONS, LOSS_SCALING_KEY, MAX_ECHO_CHARS,
-                                         NO_WEIGHT_DECAY_KEY, check_optimizer, check_options)
+from prophet_tf.optimizer_policy import (ACCUMULATION, CLIPPING_OPTIONS, LOSS_SCALING_KEY,
+                                         MAX_ECHO_CHARS, NO_WEIGHT_DECAY_KEY, check_optimizer,
+                                         check_options)
 
-__all__ = ["config_json", "rebuild", "clips", "clip_on_the_ps", "clipped_on_the_ps",
-           "check_worker_clipping"]
+__all__ = ["config_json", "rebuild", "clips", "leave_to_the_ps", "left_to_the_ps",
+           "clip_on_the_ps", "check_worker_optimizer", "steps_taken"]
 
-_CLIPS_ON_THE_PS = "_prophet_tf_clips_on_the_ps"
+_LEFT_TO_THE_PS = "_prophet_tf_left_to_the_ps"
 
 
 # --- the worker's side ---------------------------------------------------------
@@ -102,6 +105,7 @@ def rebuild(config: dict):
     """
     import keras
 
+    check_options(config)  # as sent: global_clipnorm is dropped below
     config = json.loads(json.dumps(config))  # Keras mutates what it is given
     no_decay = set(config.pop(NO_WEIGHT_DECAY_KEY, None) or ())
     config.pop(LOSS_SCALING_KEY, None)
@@ -122,7 +126,6 @@ def rebuild(config: dict):
         raise ValueError("optimizer_config does not describe a Keras optimizer. Received: "
                          f"optimizer_config={json.dumps(config)[:MAX_ECHO_CHARS]}")
     check_optimizer(type(optimizer).__name__)
-    check_options(config)
     return optimizer, no_decay
 
 
@@ -131,42 +134,75 @@ def clips(optimizer) -> bool:
     return any(getattr(optimizer, option, None) for option in CLIPPING_OPTIONS)
 
 
-def clip_on_the_ps(optimizer) -> None:
-    """Makes a worker's Keras 3 optimizer push unclipped gradients.
+def leave_to_the_ps(optimizer) -> None:
+    """Makes a worker's Keras 3 optimizer hand the strategy every step's gradient,
+    unclipped: the PS clips and accumulates the sum of all workers'.
 
-    Keras 3 clips inside ``optimizer.apply``, before the strategy receives
-    the gradients; the PS clips their sum instead. Replaces ``_clip_gradients``
-    on this object only (and on a ``LossScaleOptimizer``'s inner optimizer);
-    before the step is traced. tf_keras hands the strategy its gradients before
-    it clips them, so it needs nothing.
+    Keras 3 clips inside ``optimizer.apply``, before the strategy receives the
+    gradients, and with ``gradient_accumulation_steps`` hands them over only every
+    N-th step. On this object only (and on a ``LossScaleOptimizer``'s inner
+    optimizer): ``_clip_gradients`` returns the gradients as they are, and
+    ``_backend_apply_gradients`` runs Keras' own path without accumulation (its
+    accumulators stay, for saved models). Before the step is traced. tf_keras
+    hands the strategy its gradients before it clips them, so it needs nothing.
     """
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if opt is not None and hasattr(opt, "_clip_gradients") and not clipped_on_the_ps(opt):
-            opt._clip_gradients = lambda grads: grads
-            setattr(opt, _CLIPS_ON_THE_PS, True)
+        if opt is None or not hasattr(opt, "_clip_gradients") or left_to_the_ps(opt):
+            continue
+        opt._clip_gradients = lambda grads: grads
+        if getattr(opt, "gradient_accumulation_steps", None):
+            opt._backend_apply_gradients = _every_step(opt)
+        setattr(opt, _LEFT_TO_THE_PS, True)
 
 
-def clipped_on_the_ps(optimizer) -> bool:
-    """Whether :func:`clip_on_the_ps` was applied to ``optimizer``."""
-    return getattr(optimizer, _CLIPS_ON_THE_PS, False)
+# The name of leave_to_the_ps before it left accumulation to the PS too.
+clip_on_the_ps = leave_to_the_ps
 
 
-def check_worker_clipping(optimizer) -> None:
-    """Refuses a Keras 3 optimizer that clipped a worker's own gradients.
+def _every_step(opt):
+    """``opt._backend_apply_gradients`` without accumulation: Keras' own branch for
+    an optimizer without ``gradient_accumulation_steps`` (``use_ema`` is refused).
+    The option itself stays set: the worker registers it with the PS."""
 
-    ``model.fit``/``train_on_batch`` make the worker's optimizer leave clipping
-    to the PS (:func:`clip_on_the_ps`); a custom loop's ``optimizer.apply``
-    clips before the strategy sees the gradients.
+    def apply_every_step(grads, trainable_variables):
+        grads = opt._clip_gradients(grads)
+        opt._apply_weight_decay(trainable_variables)
+        opt._backend_update_step(grads, trainable_variables, opt.learning_rate)
+
+    return apply_every_step
+
+
+def steps_taken(optimizer) -> int:
+    """The optimizer's raw step count: with ``gradient_accumulation_steps`` Keras'
+    ``iterations`` is it divided by the steps."""
+    return int(getattr(optimizer, "_iterations", optimizer.iterations).numpy())
+
+
+def left_to_the_ps(optimizer) -> bool:
+    """Whether :func:`leave_to_the_ps` was applied to ``optimizer``."""
+    return getattr(optimizer, _LEFT_TO_THE_PS, False)
+
+
+def check_worker_optimizer(optimizer) -> None:
+    """Refuses a Keras 3 optimizer that clipped or accumulated a worker's own gradients.
+
+    ``model.fit``/``train_on_batch`` make the worker's optimizer leave both to
+    the PS (:func:`leave_to_the_ps`); a custom loop's ``optimizer.apply`` does
+    them before the strategy sees the gradients.
 
     Raises:
-        ValueError: names the optimizer and its clipping options.
+        ValueError: names the optimizer and its clipping or accumulation options.
     """
     if (optimizer is None or _keras_compat.is_tf_keras_optimizer(optimizer)
-            or not clips(optimizer) or clipped_on_the_ps(optimizer)):
+            or left_to_the_ps(optimizer)):
         return
-    options = {o: getattr(optimizer, o) for o in CLIPPING_OPTIONS if getattr(optimizer, o, None)}
+    options = {o: getattr(optimizer, o) for o in CLIPPING_OPTIONS + (ACCUMULATION,)
+               if getattr(optimizer, o, None)}
+    if not options:
+        return
     raise ValueError(
-        "The PS clips the sum of all workers' gradients, but this optimizer's own apply "
-        "already clipped this worker's share: train with model.fit/train_on_batch, or call "
-        "prophet_tf.keras_optimizer.clip_on_the_ps(optimizer) before the first step. "
+        "The PS clips and accumulates the sum of all workers' gradients, but this "
+        "optimizer's own apply would clip or accumulate this worker's share first: train "
+        "with model.fit/train_on_batch, or call "
+        "prophet_tf.keras_optimizer.leave_to_the_ps(optimizer) before the first step. "
         f"Received: {type(optimizer).__name__} {optimizer.name!r} with {options}")

@@ -82,8 +82,9 @@ def install(optimizer, step_verdict) -> None:
         def skipped():
             optimizer.step_counter.assign(0)
             optimizer.dynamic_scale.assign(ops.multiply(optimizer.dynamic_scale, 0.5))
-            # The inner apply counted the step; Keras counts applied steps only.
-            optimizer.inner_optimizer.iterations.assign_sub(1)
+            # The inner apply counted the step; Keras counts applied steps only
+            # (the raw counter: with gradient accumulation `iterations` is derived).
+            optimizer.inner_optimizer._iterations.assign_sub(1)
 
         ops.cond(finite, applied, skipped)
 

@@ -24,10 +24,11 @@ what such an update cannot see:
   (:mod:`prophet_tf.per_iteration`).
 * Anything else is refused.
 
-Options refused (:data:`REFUSED_OPTIONS`): Keras accumulates gradients and
-keeps the moving average inside ``optimizer.apply`` on the worker, before its
-gradient reaches the PS, so each worker would do it on its own share of the
-gradient rather than on the sum of all workers'.
+Options refused (:data:`REFUSED_OPTIONS`): Keras keeps the moving average
+inside ``optimizer.apply`` over every variable at once, which a PS applying one
+partition at a time cannot. ``gradient_accumulation_steps`` is accumulated on
+the PS (:mod:`prophet_tf.ps.accumulation`), but not with ``global_clipnorm``,
+which the PS applies to each step's sums outside ``optimizer.apply``.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ import json
 from typing import Sequence
 
 __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE",
-           "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "MAX_ECHO_CHARS",
+           "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "CLIPPING_OPTIONS",
+           "ACCUMULATION", "MAX_ECHO_CHARS",
            "check_optimizer", "check_options", "needs_whole_variables", "check_partitioning",
            "parse_config", "comparable", "global_clipnorm", "loss_scaling"]
 
@@ -58,16 +60,15 @@ WHOLE_VARIABLE = ("Lamb", "Adafactor")
 PER_ITERATION = ("Nadam",)
 SUPPORTED_OPTIMIZERS = ELEMENTWISE + WHOLE_VARIABLE + PER_ITERATION
 
-_ON_THE_WORKER = ("Keras does it in optimizer.apply on each worker, to that worker's own "
-                  "share of the gradient before the PS sums the shares")
 #: Optimizer options prophet_tf cannot apply exactly, with the reason.
 REFUSED_OPTIONS = {
     "use_ema": "the moving average would be kept on each worker, apart from the "
                "parameters the PS trains",
-    "gradient_accumulation_steps": _ON_THE_WORKER,
 }
 #: The optimizer options that clip gradients (Keras 3 and tf_keras alike).
 CLIPPING_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm")
+#: Keras 3's option to apply the average of every N steps' gradients.
+ACCUMULATION = "gradient_accumulation_steps"
 MAX_ECHO_CHARS = 200  # of a received config quoted in an error message
 
 
@@ -110,6 +111,13 @@ def check_options(config: dict) -> None:
             raise ValueError(f"prophet_tf cannot apply the optimizer option {option}: "
                              f"{reason}. Remove it from the optimizer. "
                              f"Received: {option}={value!r}")
+    if options.get(ACCUMULATION) and options.get("global_clipnorm"):
+        raise ValueError(
+            f"prophet_tf cannot apply {ACCUMULATION} with global_clipnorm: the PS clips each "
+            "step's summed gradients by their global norm before the optimizer sees them, "
+            "Keras the accumulated average at each N-th step. Use clipnorm or clipvalue, or "
+            f"no accumulation. Received: {ACCUMULATION}={options[ACCUMULATION]!r}, "
+            f"global_clipnorm={options['global_clipnorm']!r}")
 
 
 def needs_whole_variables(config: dict) -> bool:

@@ -12,7 +12,7 @@ in the variable's dtype, as Keras multiplies it.
 
 On a worker the PS applies the optimizer, so the worker's Nadam must not
 advance its own ``u_product`` (a trainable variable, so one whose value lives
-on the PS): :func:`leave_to_the_ps` makes Keras' Nadam skip that under the
+on the PS): :func:`advance_on_the_ps_only` makes Keras' Nadam skip that under the
 strategy that asks for it, and only there.
 
 Imports neither TensorFlow nor Keras at import time.
@@ -23,7 +23,7 @@ import numpy as np
 
 from prophet_tf import optimizer_policy
 
-__all__ = ["tracked", "value_after", "set_after", "Rewinder", "leave_to_the_ps"]
+__all__ = ["tracked", "value_after", "set_after", "Rewinder", "advance_on_the_ps_only"]
 
 
 def tracked(optimizer) -> bool:
@@ -57,11 +57,13 @@ def value_after(optimizer, applies: int) -> np.ndarray:
     return np.asarray(u, dtype)
 
 
-def set_after(optimizer, applies: int) -> None:
-    """Sets ``optimizer``'s per-apply state to its value after ``applies`` steps
-    (nothing for an optimizer without one)."""
+def set_after(optimizer, steps: int) -> None:
+    """Sets ``optimizer``'s per-apply state to its value after ``steps`` raw steps
+    (``_iterations``; with ``gradient_accumulation_steps`` N it advanced at every
+    N-th only). Nothing for an optimizer without such state."""
     if tracked(optimizer):
-        optimizer._u_product.assign(value_after(optimizer, applies))
+        every = getattr(optimizer, "gradient_accumulation_steps", None) or 1
+        optimizer._u_product.assign(value_after(optimizer, steps // every))
 
 
 class Rewinder:
@@ -94,7 +96,7 @@ class Rewinder:
         self._step, self._start = step, np.array(state.numpy())
 
 
-def leave_to_the_ps(strategy_type: type) -> None:
+def advance_on_the_ps_only(strategy_type: type) -> None:
     """Makes Keras 3's Nadam skip its ``u_product`` advance when it was created
     under a ``strategy_type`` strategy, whose PS advances it (:class:`Rewinder`).
     Elsewhere Nadam runs as it is. Idempotent.

@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from prophet_tf import codec, per_iteration
+from prophet_tf import codec, keras_optimizer, per_iteration
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class SavedState:
     def read(self, optimizer, keys: list) -> None:
         """Sets the worker's slots to the PS tasks' state of its current step."""
         from prophet_tf.ps import optimizer_state
-        step = int(optimizer.iterations.numpy())
+        step = keras_optimizer.steps_taken(optimizer)
         slots = optimizer_state.slot_lists(optimizer)
         index_of = {key: i for i, key in enumerate(keys) if key is not None}
         values: dict[tuple[str, int], np.ndarray] = {}

@@ -112,7 +112,7 @@ class Strategy(one_device_strategy.OneDeviceStrategy):
                         rpc_timeout_s=rpc_timeout_s, timeline=timeline,
                         make_shapers=shaping.from_env, runtime=_native)
         _native.load()  # Fail here, with the rebuild hint, if the op library is broken.
-        per_iteration.leave_to_the_ps(Strategy)  # Nadam's u_product: the PS advances it
+        per_iteration.advance_on_the_ps_only(Strategy)  # Nadam's u_product: the PS advances it
         distribute_lib.Strategy.__init__(self, PSExtended(self, config, engine, rpc_timeout_s,
                                                           device=device))
 
@@ -260,7 +260,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         if kind == "train_step" and loss_scaling.is_loss_scale_optimizer(model.optimizer):
             self._install_loss_scaling(model.optimizer)
         if kind == "train_step" and not _keras_compat.is_tf_keras_optimizer(model.optimizer):
-            keras_optimizer.clip_on_the_ps(model.optimizer)  # The PS clips the sum.
+            keras_optimizer.leave_to_the_ps(model.optimizer)  # The PS clips, accumulates.
         run = lambda: super(PSExtended, self)._call_for_each_replica(fn, args, kwargs)  # noqa: E731
         if self.cluster.num_workers == 1:
             return run()
@@ -339,7 +339,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                 f"its own apply cannot. Received: {type(outer).__name__} {outer.name!r} "
                 f"applied directly, updating {var.name!r}")
         if not self._trained_this_trace:
-            keras_optimizer.check_worker_clipping(checks.optimizer_of(fn))
+            keras_optimizer.check_worker_optimizer(checks.optimizer_of(fn))
         position = len(self._trained_this_trace)
         if position >= len(self._raw_grads):
             raise RuntimeError(f"More updates than gradients: {var.name!r} has no gradient "
@@ -388,7 +388,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             config = optimizer_config(optimizer, trained, scaled=scaled)
             # Steps the optimizer already counts: restored by BackupAndRestore
             # (or load_weights), the PS continues from the same step.
-            resume_step = int(optimizer.iterations.numpy())
+            resume_step = keras_optimizer.steps_taken(optimizer)
             # Worker 0's values are every worker's version 0.
             initial = ({i: v.initial_numpy() for i, v in enumerate(trained)}
                        if self.engine.worker_id == 0 else None)

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from prophet_tf import per_iteration
-from prophet_tf.ps import aggregation, protocol
+from prophet_tf.ps import accumulation, aggregation, protocol
 
 __all__ = ["Applier", "read"]
 
@@ -164,8 +164,11 @@ class Applier:
         optimizer, variable = self._optimizer, part.variable
 
         def apply(gradient, iteration):
-            optimizer.iterations.assign(iteration)
-            optimizer.apply([gradient], [variable])
+            # The raw step counter: with gradient_accumulation_steps Keras'
+            # `iterations` is it divided by the steps (accumulation.py).
+            optimizer._iterations.assign(iteration)
+            with accumulation.one_partition(optimizer, variable):
+                optimizer.apply([gradient], [variable])
             return variable.value.read_value()
 
         sum_dtype = tf.as_dtype(aggregation.SUM_DTYPES[part.spec.dtype])

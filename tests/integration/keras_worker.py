@@ -179,7 +179,9 @@ def build_model(model_kind: str, hidden: int = 8, seed: int = SEED):
 #: Clipping added to an optimizer by the suffix "+<option>" (e.g. "momentum+clipnorm"):
 #: small enough that every step of the test models clips.
 CLIPPING = {"clipnorm": {"clipnorm": 0.05}, "clipvalue": {"clipvalue": 0.02},
-            "global_clipnorm": {"global_clipnorm": 0.05}}
+            "global_clipnorm": {"global_clipnorm": 0.05},
+            # Keras 3: the average of every 2 steps' gradients, clipped.
+            "clipnorm_accumulate": {"clipnorm": 0.05, "gradient_accumulation_steps": 2}}
 
 
 def make_optimizer(name: str):
@@ -447,7 +449,8 @@ def main(argv=None) -> int:
                         help="which Keras the worker builds its model with")
     parser.add_argument("--scenario", choices=["train", "misuse"], default="train")
     parser.add_argument("--optimizer", choices=["sgd", "momentum", "adam", "schedule", "adamw",
-                                                "momentum+clipnorm", "schedule+clipvalue",
+                                                "momentum+clipnorm", "momentum+clipnorm_accumulate",
+                                                "schedule+clipvalue",
                                                 "nadam_schedule+clipvalue",
                                                 "adam+clipnorm", "sgd+global_clipnorm"],
                         default="sgd")

@@ -9,8 +9,8 @@ A cluster is started once per configuration and shared by the tests that look
 at it (clusters are the expensive part: each task imports TensorFlow):
 
   sgd       2 workers, 1 PS, MLP, numpy arrays, global_clipnorm
-  momentum  2 workers, 1 PS, MLP, tf.data.Dataset, clipnorm, LearningRateScheduler over
-            3 epochs of 3 steps
+  momentum  2 workers, 1 PS, MLP, tf.data.Dataset, clipnorm, gradient_accumulation_steps=2,
+            LearningRateScheduler over 3 epochs of 3 steps
   rounds    2 workers, 2 PS, CNN, keras.utils.PyDataset (variables on both PS tasks), Adam
             with clipnorm (each variable whole on one PS task): fit, evaluate, predict, fit
             again (the first fit's weights are kept too)
@@ -39,8 +39,8 @@ WATCHDOG = 90.0  # a worker prints its stacks and exits after this long
 CONFIGS = {
     "sgd": dict(workers=2, ps=1, optimizer="sgd+global_clipnorm", model="mlp", data="numpy"),
     # Clipping rides on these: the PS clips the summed gradient. A learning rate set by
-    # a callback on the workers rides on momentum.
-    "momentum": dict(workers=2, ps=1, optimizer="momentum+clipnorm", model="mlp",
+    # a callback on the workers, and gradient accumulation (the PS's), ride on momentum.
+    "momentum": dict(workers=2, ps=1, optimizer="momentum+clipnorm_accumulate", model="mlp",
                      data="dataset", epochs=3, steps=3, lr_callback=True),
     # Nadam: its u_product advances once per step although each PS task applies
     # every variable on its own.

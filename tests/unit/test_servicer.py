@@ -264,8 +264,8 @@ def test_initial_values_only_from_worker_0_and_checked(make_servicer):
 
 REFUSED_BY_BOTH = [
     (lambda: keras.optimizers.Adam(use_ema=True), "Received: use_ema=True"),
-    (lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
-     "Received: gradient_accumulation_steps=2"),
+    (lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, global_clipnorm=1.0),
+     "Received: gradient_accumulation_steps=2, global_clipnorm=1.0"),
     (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
      "Received: optimizer=LossScaleOptimizer"),
 ]
@@ -726,10 +726,14 @@ def adamw_without_bias_decay():
     # Norms or factored moments over each variable: every variable whole.
     lambda: keras.optimizers.Lamb(0.01),
     lambda: keras.optimizers.Adafactor(0.1),
+    # The average of every 2 (3) steps' sums, each partition's accumulated apart.
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2),
+    lambda: keras.optimizers.Nadam(lr_schedule(), clipvalue=0.5, gradient_accumulation_steps=3),
 ], ids=["sgd", "momentum", "adam", "adam-schedule", "rmsprop", "adamw-decay",
         "momentum-clipvalue", "adam-clipnorm", "momentum-global-clipnorm",
         "momentum-weight-decay", "adam-amsgrad", "rmsprop-centered", "adagrad", "adadelta",
-        "adamax", "ftrl", "lion", "nadam", "nadam-schedule-decay", "lamb", "adafactor"])
+        "adamax", "ftrl", "lion", "nadam", "nadam-schedule-decay", "lamb", "adafactor",
+        "momentum-accumulate-2", "nadam-schedule-clipvalue-accumulate-3"])
 def test_updates_equal_single_process_keras(make_servicer, make_optimizer):
     optimizer = make_optimizer()
     whole = (optimizer.clipnorm is not None

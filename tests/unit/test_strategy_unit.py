@@ -167,9 +167,10 @@ def test_non_positive_rpc_timeout_is_rejected():
 
 def test_unsupported_optimizer_options_are_named():
     import keras
-    for option, value in [("use_ema", True), ("gradient_accumulation_steps", 2)]:
-        with pytest.raises(ValueError, match=option):
-            strategy_lib.optimizer_config(keras.optimizers.SGD(0.1, **{option: value}), [])
+    for options in [{"use_ema": True},
+                    {"gradient_accumulation_steps": 2, "global_clipnorm": 1.0}]:
+        with pytest.raises(ValueError, match=list(options)[0]):
+            strategy_lib.optimizer_config(keras.optimizers.SGD(0.1, **options), [])
 
 
 # -- what Keras iterates -----------------------------------------------------------------------
@@ -361,13 +362,31 @@ def test_a_worker_optimizer_leaves_clipping_to_the_ps():
     """model.fit makes the worker push unclipped gradients; a custom loop's is refused."""
     import keras
     optimizer = keras.optimizers.SGD(0.1, clipvalue=0.5)
-    with pytest.raises(ValueError, match=r"clipvalue.*0\.5|already clipped"):
-        keras_optimizer.check_worker_clipping(optimizer)
-    keras_optimizer.clip_on_the_ps(optimizer)
-    keras_optimizer.check_worker_clipping(optimizer)
+    with pytest.raises(ValueError, match=r"clip or accumulate.*'clipvalue': 0\.5"):
+        keras_optimizer.check_worker_optimizer(optimizer)
+    keras_optimizer.leave_to_the_ps(optimizer)
+    keras_optimizer.check_worker_optimizer(optimizer)
     grads = [tf.constant([3.0, -4.0])]
     assert optimizer._clip_gradients(grads) is grads
-    keras_optimizer.check_worker_clipping(keras.optimizers.SGD(0.1))  # Nothing to clip.
+    keras_optimizer.check_worker_optimizer(keras.optimizers.SGD(0.1))  # Nothing to clip.
+
+
+def test_a_worker_optimizer_leaves_accumulation_to_the_ps():
+    """With gradient_accumulation_steps Keras hands the strategy a gradient every
+    N-th step only; the worker's optimizer hands over every step's instead, and
+    keeps its accumulators (saved models hold the PS's) and raw step count."""
+    import keras
+    variable = keras.Variable(np.zeros(2, np.float32))
+    optimizer = keras.optimizers.SGD(1.0, gradient_accumulation_steps=3)
+    with pytest.raises(ValueError, match="'gradient_accumulation_steps': 3"):
+        keras_optimizer.check_worker_optimizer(optimizer)
+    keras_optimizer.leave_to_the_ps(optimizer)
+    keras_optimizer.check_worker_optimizer(optimizer)
+    for step in range(2):  # single-process Keras would apply nothing yet
+        optimizer.apply([np.ones(2, np.float32)], [variable])
+    np.testing.assert_array_equal(variable.numpy(), [-2.0, -2.0])
+    assert keras_optimizer.steps_taken(optimizer) == 2 and optimizer.gradient_accumulation_steps == 3
+    assert len(optimizer._accumulated_gradients) == 1
 
 
 @pytest.mark.timeout(60)  # The watchdog: the call must fail, not wait for other workers.
@@ -424,6 +443,6 @@ def test_a_loss_scale_optimizer_s_inner_optimizer_leaves_clipping_to_the_ps():
     """Its inner apply gets the unscaled gradients: the PS clips those, as Keras does."""
     import keras
     optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, clipnorm=1.0))
-    keras_optimizer.clip_on_the_ps(optimizer)
-    assert keras_optimizer.clipped_on_the_ps(optimizer.inner_optimizer)
-    keras_optimizer.check_worker_clipping(optimizer.inner_optimizer)
+    keras_optimizer.clip_on_the_ps(optimizer)  # the earlier name of leave_to_the_ps
+    assert keras_optimizer.left_to_the_ps(optimizer.inner_optimizer)
+    keras_optimizer.check_worker_optimizer(optimizer.inner_optimizer)

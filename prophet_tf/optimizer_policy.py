@@ -36,8 +36,8 @@ import json
 from typing import Sequence
 
 __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE",
-           "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "REFUSED_OPTIONS", "CLIPPING_OPTIONS",
-           "ACCUMULATION", "MAX_ECHO_CHARS",
+           "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "UNSUPPORTED_OPTIMIZERS",
+           "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "ACCUMULATION", "MAX_ECHO_CHARS",
            "check_optimizer", "check_options", "needs_whole_variables", "check_partitioning",
            "parse_config", "comparable", "global_clipnorm", "loss_scaling"]
 
@@ -59,6 +59,16 @@ WHOLE_VARIABLE = ("Lamb", "Adafactor")
 #: ``apply`` advances (prophet_tf.per_iteration).
 PER_ITERATION = ("Nadam",)
 SUPPORTED_OPTIMIZERS = ELEMENTWISE + WHOLE_VARIABLE + PER_ITERATION
+#: Keras 3 built-in optimizers the PS cannot apply, with the reason.
+UNSUPPORTED_OPTIMIZERS = {
+    "Muon": "it chooses between its own update and AdamW's for each variable by the "
+            "variable's path and shape, and orthogonalizes each matrix's update whole; the "
+            "PS holds partitions under names of its own",
+    "MultiOptimizer": "it routes the variables to several optimizers; the PS rebuilds one",
+    "ScheduleFreeAdamW": "it starts its momentum from the variables' values when it is "
+                         "built, and the PS builds it before the chief's initial values "
+                         "(or a checkpoint's) arrive",
+}
 
 #: Optimizer options prophet_tf cannot apply exactly, with the reason.
 REFUSED_OPTIONS = {
@@ -81,6 +91,9 @@ def check_optimizer(kind: str) -> None:
     Raises:
         ValueError: ``kind`` is not in :data:`SUPPORTED_OPTIMIZERS`; names it.
     """
+    if kind in UNSUPPORTED_OPTIMIZERS:
+        raise ValueError(f"The parameter server cannot apply {kind}: "
+                         f"{UNSUPPORTED_OPTIMIZERS[kind]}. Received: optimizer={kind}")
     if kind not in SUPPORTED_OPTIMIZERS:
         raise ValueError(
             "The parameter server applies the optimizer one partition at a time and "

@@ -735,6 +735,30 @@ def adamw_without_bias_decay():
         "adamax", "ftrl", "lion", "nadam", "nadam-schedule-decay", "lamb", "adafactor",
         "momentum-accumulate-2", "nadam-schedule-clipvalue-accumulate-3"])
 def test_updates_equal_single_process_keras(make_servicer, make_optimizer):
+    _check_updates_equal_single_process_keras(make_servicer, make_optimizer)
+
+
+@pytest.mark.parametrize("name", sorted(optimizer_policy.SUPPORTED_OPTIMIZERS))
+def test_every_builtin_optimizer_with_a_schedule_and_weight_decay(make_servicer, name):
+    """Each optimizer the policy supports, its rate from a schedule and decaying weights."""
+    _check_updates_equal_single_process_keras(
+        make_servicer, lambda: getattr(keras.optimizers, name)(lr_schedule(), weight_decay=0.01))
+
+
+def test_the_policy_names_every_keras_builtin_optimizer():
+    """Supported, or refused with a reason; LossScaleOptimizer is the workers' (its
+    inner optimizer is what they register)."""
+    builtin = {name for name, cls in vars(keras.optimizers).items()
+               if isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)
+               and cls is not keras.optimizers.Optimizer}
+    assert builtin - set(optimizer_policy.SUPPORTED_OPTIMIZERS) == {
+        "LossScaleOptimizer", *optimizer_policy.UNSUPPORTED_OPTIMIZERS}
+    with pytest.raises(ValueError, match="cannot apply Muon: .*path and shape"):
+        config(keras.optimizers.Muon())
+
+
+def _check_updates_equal_single_process_keras(make_servicer, make_optimizer):
+    """Two workers' pushes for 4 steps, against Keras applying their sum to whole variables."""
     optimizer = make_optimizer()
     whole = (optimizer.clipnorm is not None
              or type(optimizer).__name__ in optimizer_policy.WHOLE_VARIABLE)
@@ -747,8 +771,9 @@ def test_updates_equal_single_process_keras(make_servicer, make_optimizer):
     reference = make_optimizer()
     reference.build(reference_vars)
     cfg = config(make_optimizer(), reference_vars)
-    if isinstance(reference, keras.optimizers.AdamW):
-        assert json.loads(cfg)["prophet_tf_no_weight_decay"] == [1]  # the bias
+    if reference.weight_decay:  # the PS exempts what Keras exempts (AdamW's bias, below)
+        exempt = [k for k, v in enumerate(reference_vars) if not reference._use_weight_decay(v)]
+        assert json.loads(cfg).get("prophet_tf_no_weight_decay", []) == exempt
     register(servicer, 0, cfg, values)
     register(servicer, 1, cfg)
     # Traced, as in `fit`'s train step: eager ops round differently (Ftrl by

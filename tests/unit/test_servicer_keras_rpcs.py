@@ -135,6 +135,26 @@ def test_optimizer_state_after_a_step_is_the_momentum_of_the_summed_gradient(mak
                                    -0.1 * (grads[0][key] + grads[1][key]), rtol=1e-6)
 
 
+def test_optimizer_state_mid_accumulation_holds_each_partitions_summed_gradients(make_servicer):
+    """gradient_accumulation_steps on the PS: after the first of 2 steps nothing is
+    applied, and the state (what saved models and checkpoints hold) is the sum."""
+    servicer = make_servicer()  # the kernel is split into 3 partitions
+    cfg = config(keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2))
+    values = initial()
+    register(servicer, 0, cfg, values)
+    register(servicer, 1, cfg)
+    grads = [initial(seed=s) for s in (1, 2)]
+    for worker in (0, 1):
+        push(servicer, worker, grad_chunks(grads[worker], 0))
+    state = read_state(servicer, 1)
+    assert sorted(state) == sorted([(slot, k) for k in SHAPES
+                                    for slot in ("_accumulated_gradients", "momentums")])
+    for key in SHAPES:
+        np.testing.assert_allclose(state["_accumulated_gradients", key],
+                                   grads[0][key] + grads[1][key], rtol=1e-6)
+        np.testing.assert_array_equal(state["momentums", key], np.zeros_like(values[key]))
+
+
 def test_written_state_is_what_the_next_step_starts_from(make_servicer):
     servicer = make_servicer(num_workers=1)
     cfg = config(keras.optimizers.SGD(0.1, momentum=0.9))

@@ -11,6 +11,8 @@
   :mod:`prophet_tf.bench.simulate_network`: its event queue and links shared by flows;
   :mod:`prophet_tf.bench.simulate_flow_share`: ``share_sigma`` fitted to a measured link;
   :mod:`prophet_tf.bench.simulate_cli`: ``prophet-tf simulate``.
+- :mod:`prophet_tf.bench.report`: the docs' result tables from committed JSON (``prophet-tf
+  report``; :mod:`prophet_tf.bench.cut_table`: the partition-cut experiment's).
 - :mod:`prophet_tf.bench.emulation`: emulated compute time that leaves the CPU free (``delay``);
   :mod:`prophet_tf.bench.emulated`: models whose compute is emulated from a profile.
 

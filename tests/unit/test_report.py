@@ -226,3 +226,22 @@ def test_a_flowshare_table_has_a_row_per_number_of_connections():
     assert lines[2].endswith("| 0.00 | 1.00, 0.90 | 0 / 3 |")
     assert lines[3].endswith("| 1.25 | 0.07, 0.50 | 0 / 3 |")
     assert "125 Mbit/s, fifo sender queue, TCP bbr," in lines[-1]
+
+
+def test_a_cuts_table_has_the_spread_per_ps_count_and_each_scheduler_over_the_bound():
+    from prophet_tf.bench import cut_table
+
+    run = dict(workers=8, ps=2, bandwidth_mbit=1000, ideal_step_time_s=2.0)
+    result = {"model": "m", "compute_s": 0.25, "layout": "dedicated", "command": "c",
+              "spread": [{"ps": 2, "cut": "rows", "busiest_over_mean": 1.5, "partitions": 7},
+                         {"ps": 2, "cut": "elements", "busiest_over_mean": 1.0,
+                          "partitions": 9}],
+              "runs": [{**run, "cut": cut, "scheduler": name, "step_time_s": step}
+                       for cut, name, step in [("rows", "fifo", 4.0), ("rows", "prophet", 3.0),
+                                               ("elements", "fifo", 3.0),
+                                               ("elements", "prophet", 2.2)]]}
+    lines = cut_table.cuts_table(result).splitlines()
+    assert lines[2] == "| 2 | 1.50 (7) | 1.00 (9) |"
+    assert lines[6] == "| 8 / 2 | 1 | rows | 2.00 | 1.50 | 2.00 |"
+    assert lines[7] == "| 8 / 2 | 1 | elements | 1.50 | 1.10 | 2.00 |"
+    assert lines[-1].endswith("From `c`.")

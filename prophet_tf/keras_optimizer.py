@@ -36,8 +36,8 @@ from typing import Sequence
 
 from prophet_tf import _keras_compat
 from prophet_tf.optimizer_policy import (ACCUMULATION, CLIPPING_OPTIONS, LOSS_SCALING_KEY,
-                                         MAX_ECHO_CHARS, NO_WEIGHT_DECAY_KEY, check_optimizer,
-                                         check_options)
+                                         MAX_ECHO_CHARS, NO_WEIGHT_DECAY_KEY, check_builtin,
+                                         check_optimizer, check_options)
 
 __all__ = ["config_json", "rebuild", "clips", "leave_to_the_ps", "left_to_the_ps",
            "clip_on_the_ps", "check_worker_optimizer", "steps_taken"]
@@ -69,14 +69,16 @@ def config_json(optimizer, variables: Sequence | None = None, *,
             optimizer, option or schedule without a Keras 3 equivalent; the
             message names it and the received value.
     """
-    check_optimizer(type(optimizer).__name__)
     if _keras_compat.is_tf_keras_optimizer(optimizer):
+        check_optimizer(type(optimizer).__name__)
         config = _keras_compat.keras3_optimizer_config(optimizer)
         decays = optimizer._use_weight_decay  # Takes the tf.Variable itself.
     else:
         import keras
 
         config = keras.optimizers.serialize(optimizer)
+        check_builtin(config)
+        check_optimizer(type(optimizer).__name__)
         decays = lambda v: optimizer._use_weight_decay(getattr(v, "value", v))  # noqa: E731
     check_options(config)
     config.get("config", {}).pop("loss_scale_factor", None)
@@ -105,6 +107,7 @@ def rebuild(config: dict):
     """
     import keras
 
+    check_builtin(config)  # before Keras imports whatever module it names
     check_options(config)  # as sent: global_clipnorm is dropped below
     config = json.loads(json.dumps(config))  # Keras mutates what it is given
     no_decay = set(config.pop(NO_WEIGHT_DECAY_KEY, None) or ())

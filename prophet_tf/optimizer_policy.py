@@ -38,7 +38,7 @@ from typing import Sequence
 __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE",
            "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "UNSUPPORTED_OPTIMIZERS",
            "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "ACCUMULATION", "MAX_ECHO_CHARS",
-           "check_optimizer", "check_options", "needs_whole_variables", "check_partitioning",
+           "check_optimizer", "check_builtin", "check_options", "needs_whole_variables", "check_partitioning",
            "parse_config", "comparable", "global_clipnorm", "loss_scaling"]
 
 #: Optional top-level key of the optimizer JSON: the variable keys the worker's
@@ -100,6 +100,29 @@ def check_optimizer(kind: str) -> None:
             f"supports the built-in Keras optimizers {list(SUPPORTED_OPTIMIZERS)}; {kind} "
             "keeps state across variables (LossScaleOptimizer's skipped iterations) or is "
             f"unknown to it. Received: optimizer={kind}")
+
+
+def check_builtin(config: dict) -> None:
+    """Refuses a serialized optimizer that is not one of Keras' own classes.
+
+    The PS rebuilds the optimizer from its serialized config by class name, so a
+    subclass (even one named ``SGD``) or a registered custom class would be rebuilt
+    as the built-in class of that name, or not at all: its own update would be
+    silently lost.
+
+    Raises:
+        ValueError: names the class and where it comes from.
+    """
+    module, name = config.get("module"), config.get("class_name")
+    registered = config.get("registered_name")
+    if module == "keras.optimizers" and registered is None:
+        return
+    raise ValueError(
+        "The parameter server rebuilds the optimizer from keras.optimizers.serialize() by "
+        "class name and applies Keras' own optimizer classes only; a subclass or a custom "
+        "class (registered or not) would be rebuilt as another class or not at all. Use "
+        f"the built-in keras.optimizers class with your settings. Received: optimizer "
+        f"class_name={name!r}, module={module!r}, registered_name={registered!r}")
 
 
 def _options(config: dict) -> dict:

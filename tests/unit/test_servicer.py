@@ -262,7 +262,13 @@ def test_initial_values_only_from_worker_0_and_checked(make_servicer):
     assert servicer._model is None  # the whole request was rejected
 
 
+class SGD(keras.optimizers.SGD):
+    """A user's subclass under the built-in's name: the PS must not rebuild it as the built-in."""
+
+
 REFUSED_BY_BOTH = [
+    (lambda: SGD(0.1), "Received: optimizer class_name='SGD', module='test_servicer', "
+                       "registered_name='SGD'"),
     (lambda: keras.optimizers.Adam(use_ema=True), "Received: use_ema=True"),
     (lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, global_clipnorm=1.0),
      "Received: gradient_accumulation_steps=2, global_clipnorm=1.0"),

@@ -16,11 +16,12 @@ single-process Keras clips the global batch's gradient: the worker's optimizer
 does not clip (:func:`leave_to_the_ps`) and the PS's rebuilt optimizer clips
 inside its ``optimizer.apply`` of each partition. ``gradient_accumulation_steps``
 likewise: the worker's optimizer hands the strategy every step's gradient, and
-the PS's accumulates the sums (:mod:`prophet_tf.ps.accumulation`). ``clipvalue`` is element-wise,
-so exact on any partitioning; ``clipnorm`` takes one variable's norm, so it is
-exact while no variable is split into row ranges: the workers keep variables up
-to ``max_partition_bytes`` whole (``needs_whole_variables``) and the PS
-refuses a split one (``check_partitioning``).
+the PS's accumulates the sums (:mod:`prophet_tf.ps.accumulation`).
+
+``clipvalue`` is element-wise, so exact on any partitioning; ``clipnorm`` takes
+one variable's norm, so it is exact while no variable is split into row ranges:
+the workers keep variables up to ``max_partition_bytes`` whole
+(``needs_whole_variables``) and the PS refuses a split one (``check_partitioning``).
 
 ``global_clipnorm`` needs one norm over every partition's summed gradient: the
 PS's optimizer is rebuilt without it and :mod:`prophet_tf.ps.clipping` scales

@@ -66,8 +66,10 @@ UNSUPPORTED_OPTIMIZERS = {
             "PS holds partitions under names of its own",
     "MultiOptimizer": "it routes the variables to several optimizers; the PS rebuilds one",
     "ScheduleFreeAdamW": "it starts its momentum from the variables' values when it is "
-                         "built, and the PS builds it before the chief's initial values "
-                         "(or a checkpoint's) arrive",
+                         "built, which Keras' own fit loses (it builds the optimizer in a "
+                         "stateless scope: single-process training starts from zeros) and "
+                         "the PS cannot follow either way (it builds on zeros, before the "
+                         "chief's values arrive)",
 }
 
 #: Optimizer options prophet_tf cannot apply exactly, with the reason.

@@ -179,7 +179,8 @@ def _every_step(opt):
 def steps_taken(optimizer) -> int:
     """The optimizer's raw step count: with ``gradient_accumulation_steps`` Keras'
     ``iterations`` is it divided by the steps."""
-    return int(getattr(optimizer, "_iterations", optimizer.iterations).numpy())
+    counter = optimizer._iterations if hasattr(optimizer, "_iterations") else optimizer.iterations
+    return int(counter.numpy())
 
 
 def left_to_the_ps(optimizer) -> bool:

@@ -62,6 +62,7 @@ class Applier:
                  on_applied: Callable, on_failed: Callable):
         self.lock = threading.Lock()  # the optimizer and the variables
         self._optimizer = None  # set when the model is installed
+        self._rewinder = per_iteration.Rewinder(None)  # and its own with it
         # The rate this thread last gave the optimizer: setting it costs an
         # eager assign (about 0.3 ms), as much as a small partition's update.
         self._current_learning_rate: float | None = None
@@ -86,7 +87,8 @@ class Applier:
         # (the servicer's state lock is held: taking self.lock here would
         # invert the apply thread's lock order).
         self._optimizer, self._current_learning_rate = optimizer, None
-        self._rewinder = None  # made at the first update: the optimizer is built by then
+        # Built by then (registration builds it on the partitions' variables).
+        self._rewinder = per_iteration.Rewinder(optimizer)
 
     def set_learning_rate_locked(self, iteration: int, learning_rate: float) -> None:
         """Records an iteration's learning rate; under the state lock."""
@@ -144,8 +146,6 @@ class Applier:
             self._current_learning_rate = learning_rate
         if part.apply_fn is None:
             part.apply_fn = self._trace(part)
-        if self._rewinder is None:
-            self._rewinder = per_iteration.Rewinder(self._optimizer)
         self._rewinder.before_update(optimizer_iteration)
         return part.apply_fn(total.reshape(part.shape), optimizer_iteration)
 

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     model_bytes = sum(4 * r * c for r, c in shapes)
     specs = [ps_pb2.VariableSpec(key=i, name=f"dense_{i}/kernel", shape=s, dtype="float32",
                                  priority=i) for i, s in enumerate(shapes)]
-    partitions = sharding.owned_by(sharding.plan(specs, 1), 0)
+    partitions = sharding.owned_by(sharding.plan(specs, 1, spread=True), 0)
     by_id = {(p.key, p.partition): p for p in partitions}
     rng = np.random.default_rng(0)
     params = {i: rng.standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)}

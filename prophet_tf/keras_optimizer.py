@@ -19,7 +19,7 @@ likewise: the worker's optimizer hands the strategy every step's gradient, and
 the PS's accumulates the sums (:mod:`prophet_tf.ps.accumulation`).
 
 ``clipvalue`` is element-wise, so exact on any partitioning; ``clipnorm`` takes
-one variable's norm, so it is exact while no variable is split into row ranges:
+one variable's norm, so it is exact while no variable is split into element ranges:
 the workers keep variables up to ``max_partition_bytes`` whole
 (``needs_whole_variables``) and the PS refuses a split one (``check_partitioning``).
 

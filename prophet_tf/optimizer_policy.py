@@ -13,10 +13,10 @@ partition for iteration k it sets the iteration counter to k and calls
 ``optimizer.apply`` for that partition alone, so what it supports is decided by
 what such an update cannot see:
 
-* :data:`ELEMENTWISE` optimizers update a row range from that range's rows
-  only: exact on any partitioning.
+* :data:`ELEMENTWISE` optimizers update an element range from that range
+  alone: exact on any partitioning.
 * :data:`WHOLE_VARIABLE` optimizers (norms or factorisations over a tensor)
-  are exact only while no variable is split into row ranges; the PS checks
+  are exact only while no variable is split; the PS checks
   that at Register (:func:`check_partitioning`).
 * :data:`PER_ITERATION`: elementwise, but with state shared by all variables
   that every ``apply`` advances (Nadam's ``u_product``); the PS rewinds it
@@ -50,7 +50,7 @@ NO_WEIGHT_DECAY_KEY = "prophet_tf_no_weight_decay"
 #: step is applied only when every worker's gradients were finite.
 LOSS_SCALING_KEY = "prophet_tf_loss_scaling"
 
-#: Optimizers whose update of a row range depends only on that range's rows.
+#: Optimizers whose update of an element range depends only on that range.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Ftrl",
                "Lion")
 #: Optimizers that need a whole variable (norms/factorisations over it).
@@ -184,14 +184,14 @@ def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,
     if split and clipnorm:
         raise ValueError(
             f"clipnorm clips each variable by the norm of its whole summed gradient but "
-            f"variable {split[0].key} ({split[0].name!r}) is split into row ranges, "
+            f"variable {split[0].key} ({split[0].name!r}) is split into element ranges, "
             f"applied one at a time (it is larger than max_partition_bytes="
             f"{max_partition_bytes}). Use clipvalue, or a max_partition_bytes that keeps "
             f"every variable whole. Received: clipnorm={clipnorm!r}")
     if split and kind in WHOLE_VARIABLE:
         raise ValueError(
             f"optimizer={kind} needs whole variables but variable {split[0].key} "
-            f"({split[0].name!r}) is split into row ranges (it is larger than "
+            f"({split[0].name!r}) is split into element ranges (it is larger than "
             f"max_partition_bytes={max_partition_bytes}). Use an elementwise optimizer "
             f"({', '.join(ELEMENTWISE)}) or a larger max_partition_bytes. "
             f"Received: optimizer={kind}")

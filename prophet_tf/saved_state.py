@@ -126,8 +126,8 @@ class SavedState:
                 whole = values.get((message.slot, message.key))
                 if whole is None:
                     whole = values[message.slot, message.key] = np.array(slot.numpy())
-                if whole.ndim and part.shape != whole.shape:
-                    whole[message.row_begin:message.row_begin + part.shape[0]] = part
+                if part.shape != whole.shape:  # elements [begin, begin + size) of it
+                    whole.reshape(-1)[message.begin:message.begin + part.size] = part.reshape(-1)
                 else:
                     whole[...] = part
         for (name, key), whole in values.items():

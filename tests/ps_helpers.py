@@ -11,19 +11,15 @@ from prophet_tf.ps.client import Chunk
 def gradient_chunks(arrays: Mapping[int, np.ndarray], partitions: Iterable[sharding.Partition],
                     step: int) -> list[Chunk]:
     """Cuts full gradients (key -> array) into partition chunks (views)."""
-    return [Chunk(p.key, p.partition, step, sharding.rows(np.asarray(arrays[p.key]), p))
+    return [Chunk(p.key, p.partition, step, sharding.elements(np.asarray(arrays[p.key]), p))
             for p in partitions]
 
 
 def write_chunk(chunk, out: Mapping[int, np.ndarray],
                 partitions: Mapping[tuple[int, int], sharding.Partition]) -> None:
-    """Copies a pulled chunk into its rows of ``out[key]`` (one memcpy)."""
+    """Copies a pulled chunk into its elements of ``out[key]`` (one memcpy)."""
     p = partitions[chunk.key, chunk.partition]
-    target = out[chunk.key]
-    if target.ndim == 0:
-        target[...] = chunk.array[0]
-    else:
-        target[p.row_begin:p.row_end] = chunk.array.reshape((p.num_rows, *target.shape[1:]))
+    out[chunk.key].reshape(-1)[p.begin:p.end] = chunk.array.reshape(-1)
 
 
 def push(client, chunks, timeout=None) -> int:

@@ -127,8 +127,8 @@ def bench_result(args, names: list[str], runs: dict[str, list[dict]], profile: d
 def scheduler_settings(name: str, profile: dict, num_ps: int,
                        options: dict | None = None) -> dict:
     """What a scheduler runs with in this configuration: its options, the
-    partition size the workers declare (balanced over the PS tasks), and its
-    in-flight window per link."""
+    partition size the workers declare, the partitions it cuts (how many, the
+    largest) and its in-flight window per link."""
     from prophet_tf.bench import simulate  # the profile's specs, as simulated
     from prophet_tf.engine.dispatch import Dispatch
 
@@ -137,7 +137,9 @@ def scheduler_settings(name: str, profile: dict, num_ps: int,
     dispatch = Dispatch([s.key for s in specs], specs, num_ps, scheduler)
     options = {k: getattr(scheduler, k) for k in scheduler.OPTIONS}
     return {**options, "partition_bytes": dispatch.partition_bytes,
-            "partitions": len(dispatch.partitions), "window_blocks": scheduler.window_blocks,
+            "partitions": len(dispatch.partitions),
+            "largest_partition_bytes": max(p.nbytes for p in dispatch.partitions),
+            "window_blocks": scheduler.window_blocks,
             "window_bytes": scheduler.window_bytes}
 
 

@@ -38,9 +38,9 @@ class Dispatch:
       num_ps: PS tasks, i.e. links.
       scheduler: a new scheduler (``schedulers.make_scheduler``); its
         partition size cuts the variables, as on the PS.
-      balance: with several PS tasks, lower the partition size until every
-        PS holds about the same bytes (``sharding.balanced_limit``); off for
-        optimizers that need whole variables.
+      balance: with several PS tasks, spread the model's bytes evenly over
+        them (``sharding.plan``'s spread rule); off for optimizers that need
+        whole variables.
 
     Raises:
       ValueError: keys and specs differ in number, or a key repeats.
@@ -58,10 +58,8 @@ class Dispatch:
         self.specs = list(specs)
         self.scheduler = scheduler
         self.partition_bytes = scheduler.partition_bytes or schedulers.DEFAULT_PARTITION_BYTES
-        if balance:
-            self.partition_bytes = sharding.balanced_limit(self.specs, num_ps,
-                                                           self.partition_bytes)
-        self.partitions = sharding.plan(self.specs, num_ps, self.partition_bytes)
+        self.partitions = sharding.plan(self.specs, num_ps, self.partition_bytes,
+                                        spread=balance)
         self.partitions_of: dict[int, list[sharding.Partition]] = {}
         for p in self.partitions:
             self.partitions_of.setdefault(p.key, []).append(p)
@@ -97,7 +95,7 @@ class Dispatch:
 
     def byte_offset(self, p: sharding.Partition) -> int:
         """Where partition ``p`` starts in its variable's buffer."""
-        return p.row_begin * (p.nbytes // p.num_rows) if p.num_rows else 0
+        return p.begin * (p.nbytes // p.num_elements) if p.num_elements else 0
 
     # -- gradients out ------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from prophet_tf.engine import liveness, schedulers
 from prophet_tf.engine import timeline as timeline_lib
 from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.engine.dispatch import Dispatch
+from prophet_tf.ps import sharding
 from prophet_tf.ps.client import Chunk
 
 __all__ = ["GradientsOut"]
@@ -126,7 +127,7 @@ class GradientsOut:
             except queue.Empty:
                 continue
             with self._lock:
-                chunks = [Chunk(item.key, item.partition, item.iteration, self._rows(item),
+                chunks = [Chunk(item.key, item.partition, item.iteration, self._elements(item),
                                 batch_rows=self._batch_rows.get(item.iteration))
                           for item in block]
                 iterations = {item.iteration for item in block}
@@ -143,13 +144,9 @@ class GradientsOut:
             future.add_done_callback(
                 lambda f, block=block, start=start: self._pushed(f, ps_index, block, start))
 
-    def _rows(self, item: schedulers.ReadyItem) -> np.ndarray:
-        flat = self._dispatch.payload(item).view()
-        shape = self._dispatch.specs[item.key].shape
-        if not shape:
-            return flat
+    def _elements(self, item: schedulers.ReadyItem) -> np.ndarray:
         p = self._dispatch.partition(item)
-        return flat.reshape(shape)[p.row_begin:p.row_end]
+        return sharding.elements(self._dispatch.payload(item).view(), p)  # a Grad's bytes
 
     def _pushed(self, future, ps_index: int, block, start: int) -> None:
         end = time.monotonic_ns()

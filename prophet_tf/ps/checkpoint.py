@@ -220,7 +220,7 @@ def model_signature(specs: Sequence, partitions: Sequence, optimizer_class: str,
     """What must match between a checkpoint and the model that restores it."""
     return {
         "variables": [[s.key, s.name, list(s.shape), s.dtype] for s in specs],
-        "partitions": sorted([p.key, p.partition, p.row_begin, p.row_end]
+        "partitions": sorted([p.key, p.partition, p.begin, p.end]
                              for p in partitions if p.ps_index == ps_index),
         "optimizer": optimizer_class,
         "ps_index": ps_index,

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import grpc
 import numpy as np
 
-from prophet_tf import codec
+from prophet_tf import codec, optimizer_policy
 from prophet_tf.ps import health, sharding
 from prophet_tf.ps import security as security_lib
 from prophet_tf.ps.protocol import (MAX_MESSAGE_BYTES, SERVICE_NAME, PulledChunk,
@@ -159,11 +159,13 @@ class PSClient:
                        variables=variables, optimizer_config=optimizer_config,
                        max_partition_bytes=max_partition_bytes, resume_step=resume_step)
         response = self._register(ps_pb2.RegisterRequest(**request), timeout=timeout)
+        spread = not optimizer_policy.needs_whole_variables(
+            optimizer_policy.parse_config(optimizer_config))
         expected = sharding.owned_by(
-            sharding.plan(variables, response.num_ps, max_partition_bytes), response.ps_index)
-        got = [(p.key, p.partition, p.ps_index, p.row_begin, p.row_end)
-               for p in response.partitions]
-        if got != [(p.key, p.partition, p.ps_index, p.row_begin, p.row_end) for p in expected]:
+            sharding.plan(variables, response.num_ps, max_partition_bytes, spread=spread),
+            response.ps_index)
+        got = [(p.key, p.partition, p.ps_index, p.begin, p.end) for p in response.partitions]
+        if got != [(p.key, p.partition, p.ps_index, p.begin, p.end) for p in expected]:
             raise ValueError(
                 f"PS {response.ps_index} at {self.address} owns other partitions than this "
                 f"worker's plan (max_partition_bytes={max_partition_bytes}, num_ps="
@@ -174,7 +176,7 @@ class PSClient:
         batch, size = [], 0
         limit = self.max_message_bytes - _REQUEST_OVERHEAD - 64 * len(variables)
         for p in expected:
-            value = sharding.rows(np.asarray(initial_values[p.key]), p)
+            value = sharding.elements(np.asarray(initial_values[p.key]), p)
             if batch and size + value.nbytes > limit:
                 response = self._register(
                     ps_pb2.RegisterRequest(**request, initial_values=batch), timeout=timeout)

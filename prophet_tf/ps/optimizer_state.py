@@ -5,14 +5,15 @@ trained ones live here, one set per partition. Keras 3 optimizers keep each
 kind of slot as a list indexed like their variables (``Adam._momentums``,
 ``SGD.momentums``, ``Adagrad._accumulators``, ...): :func:`slot_lists` finds
 those lists, so the PS and the worker, whose optimizers are the same class,
-name every slot the same way. A slot of partition p covers its rows
-``[row_begin, row_end)`` of the variable; the worker joins the partitions.
+name every slot the same way. A slot of partition p covers its elements
+``[begin, end)`` of the variable flattened; the worker joins the partitions.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from prophet_tf import codec
+from prophet_tf.ps import sharding
 from prophet_tf.ps.errors import invalid
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -44,14 +45,14 @@ def read(parts: dict, optimizer, version: int) -> list[ps_pb2.OptimizerSlot]:
                 continue
             array = np.asarray(values[index].numpy())
             out.append(ps_pb2.OptimizerSlot(
-                key=key, partition=partition, slot=name, row_begin=part.plan.row_begin,
+                key=key, partition=partition, slot=name, begin=part.plan.begin,
                 dtype=codec.dtype_name(array.dtype), shape=list(array.shape),
                 data=array.tobytes(), version=version))
     return out
 
 
 def write(parts: dict, optimizer, messages) -> int:
-    """Sets this PS's rows of each whole-variable slot received; returns how many were set.
+    """Sets this PS's elements of each whole-variable slot received; returns how many were set.
 
     Raises:
         RpcError: an unknown slot or key, or a shape that does not fit the variable.
@@ -79,13 +80,17 @@ def write(parts: dict, optimizer, messages) -> int:
             variable = slots[message.slot][optimizer._get_variable_index(part.variable)]
             if variable is None:
                 continue
-            rows = array[part.plan.row_begin:part.plan.row_end] if array.ndim else array
-            if tuple(variable.shape) != rows.shape:
-                if tuple(variable.shape) != array.shape:  # a factored slot (Adafactor)
-                    raise invalid(f"Optimizer slot {message.slot!r} of variable {message.key} "
-                                  f"partition {part.plan.partition} has shape "
-                                  f"{tuple(variable.shape)}. Received: shape {array.shape}")
-                rows = array
-            variable.assign(rows.astype(variable.dtype))
+            if part.shape == tuple(part.spec.shape):
+                # The whole variable: the slot as it is (a factored slot, as
+                # Adafactor's, has a shape of its own).
+                expected, values = tuple(variable.shape), array
+            else:
+                expected = tuple(part.spec.shape)
+                values = sharding.elements(array, part.plan) if array.shape == expected else None
+            if array.shape != expected:
+                raise invalid(f"Optimizer slot {message.slot!r} of variable {message.key} "
+                              f"partition {part.plan.partition} needs the whole slot of shape "
+                              f"{expected}. Received: shape {array.shape}")
+            variable.assign(values.astype(variable.dtype))
             count += 1
     return count

@@ -49,7 +49,7 @@ class Part:
     plan: sharding.Partition
     shape: tuple
     dtype: np.dtype
-    variable: object  # keras.Variable holding rows [row_begin, row_end)
+    variable: object  # keras.Variable holding elements [begin, end) (sharding.whole_shape)
     version: int = -1  # iterations applied; -1: no initial value yet
     # Workers in iteration `version`: worker -> (its gradient, a view of its
     # request, and its batch rows), or -> None once the sum is handed over.
@@ -144,17 +144,16 @@ def _check_declaration(request, num_ps: int, max_partition_bytes: int) -> None:
         if itemsize * math.prod(max(d, 1) for d in s.shape) >= 2**63:
             raise invalid(f"{what} has dimensions whose product overflows int64. "
                           f"Received: shape={short(list(s.shape))}, dtype={s.dtype}")
-        nbytes, pieces = _size_and_partitions(s, limit)
-        total_bytes += nbytes
-        total_partitions += pieces
-        if total_partitions > _MAX_PARTITIONS:
-            raise invalid(
-                f"The model would be cut into more than {_MAX_PARTITIONS} partitions "
-                f"(at {what}: {pieces} of at most max_partition_bytes={limit}). Received: "
-                f"shape={short(list(s.shape))}, dtype={s.dtype}")
+        total_bytes += _nbytes(s)
+    pieces = sharding.max_partitions(variables, num_ps, limit)
+    if pieces > _MAX_PARTITIONS:
+        raise invalid(
+            f"The model would be cut into more than {_MAX_PARTITIONS} partitions "
+            f"(up to {pieces} of at most max_partition_bytes={limit} over {num_ps} PS "
+            f"task(s)). Received: {len(variables)} variables of {total_bytes} bytes")
     memory = _memory_bytes()
     if memory is not None and total_bytes > num_ps * memory:
-        largest = max(variables, key=lambda s: _size_and_partitions(s, limit)[0])
+        largest = max(variables, key=_nbytes)
         raise invalid(
             f"The model has {total_bytes} bytes of parameters, more than {num_ps} PS "
             f"task(s) with this machine's memory ({memory} bytes) could hold. Received: "
@@ -172,10 +171,9 @@ def _check_keys(variables) -> None:
                       f"Received: keys={short([s.key for s in variables])}")
 
 
-def _size_and_partitions(spec, max_partition_bytes: int) -> tuple[int, int]:
-    """(bytes, partitions) of a checked spec, as ``sharding.plan`` would cut it."""
-    rows, row_bytes, parts = sharding.row_layout(spec.shape, spec.dtype, max_partition_bytes)
-    return rows * row_bytes, parts
+def _nbytes(spec) -> int:
+    """The bytes of a checked spec."""
+    return codec.to_numpy_dtype(spec.dtype).itemsize * math.prod(spec.shape)
 
 
 def _memory_bytes() -> int | None:
@@ -202,7 +200,9 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
     """
     specs = sorted(request.variables, key=lambda s: s.key)  # checked by check_request
     limit = request.max_partition_bytes or max_partition_bytes
-    partitions = sharding.plan(specs, num_ps, limit)
+    config = _parse_optimizer_config(request.optimizer_config)
+    partitions = sharding.plan(specs, num_ps, limit,
+                               spread=not optimizer_policy.needs_whole_variables(config))
     owned = sum(p.nbytes for p in partitions if p.ps_index == ps_index)
     memory = _memory_bytes()
     if memory is not None and owned > memory:
@@ -214,10 +214,10 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
             if p.nbytes > max_chunk_bytes:
                 s = specs[p.key]
                 raise invalid(
-                    f"Variable {p.key} ({s.name!r}) has a row of {p.nbytes} bytes, more "
-                    f"than one message may carry ({max_chunk_bytes}); partitions "
-                    f"are row ranges. Received: shape={list(s.shape)}, dtype={s.dtype}")
-    config = _parse_optimizer_config(request.optimizer_config)
+                    f"Variable {p.key} ({s.name!r}) has a partition of {p.nbytes} bytes, "
+                    f"more than one message may carry ({max_chunk_bytes}); declare a "
+                    f"smaller max_partition_bytes. Received: max_partition_bytes={limit}, "
+                    f"shape={list(s.shape)}, dtype={s.dtype}")
     try:
         optimizer, no_decay = keras_optimizer.rebuild(config)
         optimizer_policy.check_partitioning(
@@ -243,7 +243,7 @@ def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
     for p in sharding.owned_by(model.partitions, ps_index):
         spec = model.specs[p.key]
         dtype = codec.to_numpy_dtype(spec.dtype)
-        shape = (p.num_rows, *spec.shape[1:]) if spec.shape else ()
+        shape = sharding.whole_shape(p, spec.shape)
         # Weight-decay exclusions arrive as keys (no_decay), so the name
         # only serves messages: the worker's leaf name, without "/" or ":".
         leaf = spec.name.rpartition("/")[2].partition(":")[0]
@@ -322,8 +322,8 @@ def check_chunk_bytes(part: Part, chunk, what: str) -> np.ndarray:
     data = chunk.data  # once: protobuf's messages copy the bytes at every access
     if len(data) != part.plan.nbytes:
         raise invalid(f"Wrong byte size in the {what} of {part.name}: expected "
-                      f"{part.plan.nbytes} bytes (rows {part.plan.row_begin}:"
-                      f"{part.plan.row_end} of shape {list(part.spec.shape)}). "
+                      f"{part.plan.nbytes} bytes (elements {part.plan.begin}:"
+                      f"{part.plan.end} of shape {list(part.spec.shape)}). "
                       f"Received: {len(data)} bytes")
     return codec.from_bytes(data, part.dtype)
 

@@ -75,14 +75,14 @@ def expected_after(steps: int, workers: int) -> dict[int, np.ndarray]:
 
 
 def rows(array, p):
-    return array.reshape(1) if array.ndim == 0 else array[p.row_begin:p.row_end]
+    return sharding.elements(array, p)
 
 
 class Worker:
     def __init__(self, addresses, worker, workers, retry_p, rng):
         self.worker, self.workers, self.retry_p, self.rng = worker, workers, retry_p, rng
         self.clients = [ps_client.PSClient(a, worker, workers) for a in addresses]
-        self.plan = sharding.plan(specs(), len(addresses), MAX_PARTITION_BYTES)
+        self.plan = sharding.plan(specs(), len(addresses), MAX_PARTITION_BYTES, spread=True)
         self.owned = [sharding.owned_by(self.plan, i) for i in range(len(addresses))]
         self.by_id = {(p.key, p.partition): p for p in self.plan}
         self.counts = dict(pushes=0, resent=0, short_deadline=0, deadline_exceeded=0,

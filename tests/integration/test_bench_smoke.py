@@ -126,11 +126,12 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
     assert config["layout"] == "colocated" and config["ideal"]["layout"] == "colocated"
     assert config["workers"] == 2 and config["ps"] == 2 and config["warmup_steps"] == 8
     # What each scheduler ran with: the partition size both PS tasks were
-    # declared (balanced: the 4 MiB dense kernel is cut over both).
+    # declared, and the partitions cut (the 4 MiB dense kernel over both).
     settings = config["scheduler_settings"]
     assert sorted(settings) == ["fifo", "prophet"]
     assert settings["prophet"]["window_blocks"] == 2
-    assert settings["fifo"]["partition_bytes"] < config["model_bytes"] / 2
+    assert settings["fifo"]["partition_bytes"] == 4 * 1024 * 1024
+    assert settings["fifo"]["largest_partition_bytes"] < config["model_bytes"] / 2
     assert [r["scheduler"] for r in result["results"]] == ["fifo", "prophet"]
     # Bytes each step must cross the busiest shaped link, one direction.
     if config["shaping"] == "netns":

@@ -65,7 +65,7 @@ SHAPES = {0: ("dense/kernel", (6, 4), "float32"), 1: ("dense/bias", (4,), "float
           4: ("brain", (2, 4), "bfloat16")}
 SPECS = [ps_pb2.VariableSpec(key=k, name=n, shape=s, dtype=d, priority=k)
          for k, (n, s, d) in SHAPES.items()]
-PLAN = sharding.plan(SPECS, NUM_PS, LIMIT)
+PLAN = sharding.plan(SPECS, NUM_PS, LIMIT, spread=True)
 OWNED = sharding.owned_by(PLAN, 0)
 OTHER = sharding.owned_by(PLAN, 1)
 BY_ID = {(p.key, p.partition): p for p in PLAN}
@@ -178,7 +178,7 @@ def gradients(step, worker):
 
 
 def rows(array, p):
-    return array.reshape(1) if array.ndim == 0 else array[p.row_begin:p.row_end]
+    return sharding.elements(array, p)
 
 
 def pull_owned(client, min_version, timeout=30):

@@ -101,7 +101,7 @@ def drive(ps_tasks, tmp_path, steps, retry_p, seed):
     # The final parameters, pulled by the test itself, against numpy.
     expected = load_worker.expected_after(steps, WORKERS)
     plan = load_worker.sharding.plan(load_worker.specs(), NUM_PS,
-                                     load_worker.MAX_PARTITION_BYTES)
+                                     load_worker.MAX_PARTITION_BYTES, spread=True)
     by_id = {(p.key, p.partition): p for p in plan}
     values = {k: np.zeros(s, np.float32) for k, (_, s) in load_worker.SHAPES.items()}
     for i, ps in enumerate(ps_tasks):

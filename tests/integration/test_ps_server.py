@@ -23,7 +23,7 @@ LIMIT = 32  # the ps2 fixture's --max-partition-bytes: the kernel is split in 3
 SHAPES = {0: ("dense/kernel", (6, 4)), 1: ("dense/bias", (4,))}
 SPECS = [ps_pb2.VariableSpec(key=k, name=n, shape=s, dtype="float32", priority=k)
          for k, (n, s) in SHAPES.items()]
-PARTITIONS = sharding.plan(SPECS, 1, LIMIT)
+PARTITIONS = sharding.plan(SPECS, 1, LIMIT, spread=True)
 BY_ID = {(p.key, p.partition): p for p in PARTITIONS}
 SGD1 = json.dumps({"module": "keras.optimizers", "class_name": "SGD",
                    "config": {"name": "SGD", "learning_rate": 1.0}, "registered_name": None})

@@ -31,7 +31,7 @@ SPECS = [ps_pb2.VariableSpec(key=k, name=n, shape=s, dtype="float32", priority=k
 # Another model: a worker that got it registered first would make SPECS fail.
 OTHER_SPECS = [ps_pb2.VariableSpec(key=0, name="dense/kernel", shape=[6, 5], dtype="float32",
                                    priority=0), SPECS[1]]
-PARTITIONS = sharding.plan(SPECS, 1, LIMIT)
+PARTITIONS = sharding.plan(SPECS, 1, LIMIT, spread=True)
 BY_ID = {(p.key, p.partition): p for p in PARTITIONS}
 SGD1 = json.dumps({"module": "keras.optimizers", "class_name": "SGD",
                    "config": {"name": "SGD", "learning_rate": 1.0}, "registered_name": None})
@@ -281,7 +281,7 @@ WORKER = textwrap.dedent(r'''
     with ps_client.PSClient(address, 0, 1) as client:   # token from the environment
         client.wait_ready(60)
         client.register(specs, sgd, {0: np.zeros(3, np.float32)}, timeout=60)
-        parts = sharding.plan(specs, 1, sharding.DEFAULT_MAX_PARTITION_BYTES)
+        parts = sharding.plan(specs, 1, sharding.DEFAULT_MAX_PARTITION_BYTES, spread=True)
         client.push_future([ps_client.Chunk(0, 0, 0, np.full(3, 2.0, np.float32))],
                            timeout=30).result()
         pulled = [c.array.tolist() for c in client.pull(parts, 1, timeout=30)]

@@ -39,20 +39,21 @@ def test_the_engine_imports_without_tensorflow():
 def test_partitions_are_the_ps_sides():
     d = make("p3", slice_bytes=1000)
     assert schedulers.DEFAULT_PARTITION_BYTES == sharding.DEFAULT_MAX_PARTITION_BYTES
-    assert d.partitions == sharding.plan(d.specs, 2, 1000)
+    assert d.partitions == sharding.plan(d.specs, 2, 1000, spread=False)
     assert d.partition_bytes == 1000
-    assert [len(d.partitions_of[k]) for k in range(3)] == [4, 5, 1]  # rows of 400 bytes
+    assert [len(d.partitions_of[k]) for k in range(3)] == [4, 4, 1]  # 4,000 bytes each
     second = d.partitions_of[1][1]
-    assert d.byte_offset(second) == second.row_begin * 400
+    assert (second.begin, second.end) == (250, 500)
+    assert d.byte_offset(second) == second.begin * 4
     assert make(num_ps=1, balance=True).partition_bytes == schedulers.DEFAULT_PARTITION_BYTES
 
 
 def test_several_ps_tasks_get_the_model_in_even_shares():
-    # 8,004 bytes over 2 PS tasks: at most 8004 / (4 * 2) bytes per partition.
+    # 8,004 bytes over 2 PS tasks: 8 pieces of about 1,000 bytes, in turn.
     d = make(balance=True)
-    assert d.partition_bytes == 1001
+    assert d.partitions == sharding.plan(d.specs, 2, d.partition_bytes, spread=True)
     loads = [sum(p.nbytes for p in d.partitions if p.ps_index == i) for i in range(2)]
-    assert max(loads) - min(loads) <= d.partition_bytes, loads
+    assert loads == [4000, 4004], loads
     # Optimizers that need whole variables (Lamb, Adafactor) keep them whole.
     whole = Dispatch([30, 10, 20], specs((1000,), (10, 100), ()), 2,
                      schedulers.make_scheduler("fifo"), balance=False)

@@ -22,7 +22,7 @@ from prophet_tf.ps.v1 import ps_pb2
 pytestmark = pytest.mark.timeout(60)
 
 NATIVE_KEY = 7  # the op library's key of PS key 0
-SHAPE = (4, 3)  # 4 rows of 12 bytes, in two partitions of 2 rows
+SHAPE = (4, 3)  # 12 elements of 4 bytes, in two partitions of 6
 
 
 def make_dispatch(name="p3"):
@@ -40,7 +40,7 @@ def engine():
     _native.declare_param(NATIVE_KEY, tf.float32, SHAPE)
     dispatch = make_dispatch()
     parts = dispatch.partitions_of[0]
-    assert parts == [sharding.Partition(0, 0, 0, 0, 2, 24), sharding.Partition(0, 1, 1, 2, 4, 24)]
+    assert parts == [sharding.Partition(0, 0, 0, 0, 6, 24), sharding.Partition(0, 1, 1, 6, 12, 24)]
     yield Assembler(_native, dispatch), parts
     _native.reset()
 

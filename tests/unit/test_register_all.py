@@ -64,8 +64,8 @@ def test_every_ps_task_is_declared_to_at_once(two_ps):
     initial = {0: np.arange(8, dtype=np.float32).reshape(4, 2), 1: np.ones(2, np.float32)}
     responses = client_lib.register_all(two_ps, SPECS, SGD, initial, timeout=60)
     assert [r.ps_index for r in responses] == [0, 1]  # in the clients' order
-    owned = [sorted(p.key for p in r.partitions) for r in responses]
-    assert sorted(sum(owned, [])) == [0, 1] and all(owned), owned  # each owns a variable
+    owned = [{p.key for p in r.partitions} for r in responses]
+    assert set.union(*owned) == {0, 1} and all(owned), owned  # each owns a share
 
 
 def test_a_rejection_is_raised_after_every_call_ended(two_ps):

@@ -92,7 +92,7 @@ def initial(seed=0, shapes=SHAPES, dtype=np.float32):
 
 
 def plan(shapes=SHAPES):
-    return sharding.plan(specs(shapes), 1, LIMIT)
+    return sharding.plan(specs(shapes), 1, LIMIT, spread=True)
 
 
 def register(servicer, worker_id, optimizer_config, values=None, variables=None,
@@ -100,9 +100,9 @@ def register(servicer, worker_id, optimizer_config, values=None, variables=None,
     variables = specs() if variables is None else variables
     chunks = []
     if values is not None:
-        for p in sharding.plan(variables, 1, servicer.max_partition_bytes):
+        for p in sharding.plan(variables, 1, servicer.max_partition_bytes, spread=True):
             v = np.asarray(values[p.key])
-            rows = v.reshape(1) if v.ndim == 0 else v[p.row_begin:p.row_end]
+            rows = sharding.elements(v, p)
             chunks.append(ps_pb2.ParameterChunk(key=p.key, partition=p.partition,
                                                 dtype=variables[p.key].dtype,
                                                 data=rows.tobytes()))
@@ -186,18 +186,19 @@ def test_register_lists_this_ps_partitions_and_version(make_servicer):
     servicer = make_servicer()
     response = register(servicer, 0, config(keras.optimizers.SGD(0.1)))
     assert (response.ps_index, response.num_ps, response.version) == (0, 1, 0)
-    assert [(p.key, p.partition, p.row_begin, p.row_end) for p in response.partitions] == [
-        (0, 0, 0, 2), (0, 1, 2, 4), (0, 2, 4, 6), (1, 0, 0, 4), (2, 0, 0, 1)]
+    assert [(p.key, p.partition, p.begin, p.end) for p in response.partitions] == [
+        (0, 0, 0, 8), (0, 1, 8, 16), (0, 2, 16, 24), (1, 0, 0, 4), (2, 0, 0, 1)]
 
 
 def test_ps_keeps_only_its_own_partitions(make_servicer):
     servicer = make_servicer(ps_index=1, num_ps=2)
     response = register(servicer, 0, config(keras.optimizers.SGD(0.1)))
-    owned = sharding.owned_by(sharding.plan(specs(), 2, LIMIT), 1)
+    both = sharding.plan(specs(), 2, LIMIT, spread=True)
+    owned = sharding.owned_by(both, 1)
     assert [(p.key, p.partition) for p in response.partitions] == [
         (p.key, p.partition) for p in owned]
-    assert 0 < len(owned) < len(plan())
-    not_owned = next(p for p in sharding.plan(specs(), 2, LIMIT) if p.ps_index == 0)
+    assert 0 < len(owned) < len(both)
+    not_owned = next(p for p in both if p.ps_index == 0)
     details = expect_abort(servicer.Pull, ps_pb2.PullRequest(items=[ps_pb2.KeyPartition(
         key=not_owned.key, partition=not_owned.partition)]), grpc.StatusCode.NOT_FOUND,
         "owned by PS 0")
@@ -421,7 +422,7 @@ def test_workers_are_summed_in_worker_order_whatever_the_arrival_order(make_serv
     for arrival in ARRIVALS:
         servicer = make_servicer(num_workers=3)
         variables = specs(shapes, np.dtype(dtype).name)
-        partitions = sharding.plan(variables, 1, LIMIT)
+        partitions = sharding.plan(variables, 1, LIMIT, spread=True)
         values = initial(shapes=shapes, dtype=dtype)
         for worker in range(3):
             register(servicer, worker, config(keras.optimizers.SGD(1.0)),
@@ -560,7 +561,7 @@ def test_low_precision_gradients_are_summed_in_float32(make_servicer):
     variables = specs(shapes, "bfloat16")
     register(servicer, 0, config(keras.optimizers.SGD(1.0)),
              {0: np.zeros(2, ml_dtypes.bfloat16)}, variables=variables)
-    partitions = sharding.plan(variables, 1, LIMIT)
+    partitions = sharding.plan(variables, 1, LIMIT, spread=True)
     # 256 + 1 + 1: bfloat16 has 8 significant bits, so summing in bfloat16
     # gives 256 while float32 gives 258 (representable in bfloat16).
     for worker, value in enumerate([256.0, 1.0, 1.0]):
@@ -769,7 +770,7 @@ def _check_updates_equal_single_process_keras(make_servicer, make_optimizer):
     whole = (optimizer.clipnorm is not None
              or type(optimizer).__name__ in optimizer_policy.WHOLE_VARIABLE)
     limit = 1 << 20 if whole else LIMIT
-    partitions = sharding.plan(specs(), 1, limit)
+    partitions = sharding.plan(specs(), 1, limit, spread=True)
     servicer = make_servicer(max_partition_bytes=limit)
     values = initial(3)
     reference_vars = [keras.Variable(values[k], name=name.split("/")[-1])

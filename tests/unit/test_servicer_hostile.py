@@ -60,7 +60,7 @@ def specs(shapes=SHAPES):
             for k, (n, s, d) in shapes.items()]
 
 
-PLAN = sharding.plan(specs(), 1, LIMIT)
+PLAN = sharding.plan(specs(), 1, LIMIT, spread=True)
 
 
 def initial():
@@ -72,7 +72,7 @@ def register_request(worker_id=0, values=None, variables=None, **fields):
     chunks = []
     if values is not None:
         for p in PLAN:
-            rows = sharding.rows(np.asarray(values[p.key]), p)
+            rows = sharding.elements(np.asarray(values[p.key]), p)
             chunks.append(ps_pb2.ParameterChunk(key=p.key, partition=p.partition,
                                                 dtype=SHAPES[p.key][2], data=rows.tobytes()))
     fields = dict(dict(num_workers=W, optimizer_config=SGD1, max_partition_bytes=LIMIT),

@@ -106,15 +106,15 @@ def test_a_retry_after_its_first_call_fetched_the_round_still_gets_the_answer(ma
 
 
 def read_state(servicer, min_version, timeout=10.0):
-    """{(slot, key): whole array} joined from the partitions' rows."""
+    """{(slot, key): whole array} joined from the partitions' elements."""
     out = {}
     request = ps_pb2.OptimizerStateRequest(worker_id=0, min_version=min_version)
     for m in servicer.ReadOptimizerState(request, Context(timeout)):
         assert m.version == min_version
         array = np.frombuffer(m.data, m.dtype).reshape(tuple(m.shape))
         whole = out.setdefault((m.slot, m.key), np.zeros(SHAPES[m.key][1], np.float32))
-        if whole.ndim:
-            whole[m.row_begin:m.row_begin + array.shape[0]] = array
+        if array.shape != whole.shape:
+            whole.reshape(-1)[m.begin:m.begin + array.size] = array.reshape(-1)
         else:
             whole[...] = array
     return out

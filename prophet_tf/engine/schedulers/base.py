@@ -11,7 +11,7 @@ Contract (what the dispatch does):
 
 1. ``s = make_scheduler(name, **options)``; cut every variable into
    partitions of at most ``s.partition_bytes or DEFAULT_PARTITION_BYTES``
-   bytes (whole rows; ``sharding.plan(specs, num_ps, that)``). The PS tasks
+   bytes (element ranges: ``sharding.plan``). The PS tasks
    must be started with the same ``max_partition_bytes``.
 2. When the gradient of variable ``key`` for training iteration ``iteration`` is
    ready, call :meth:`Scheduler.add` once per partition (partition order), all
@@ -62,7 +62,7 @@ class ReadyItem:
 
     Attributes:
       key: the variable's PS key.
-      partition: index of the row range (``sharding.Partition.partition``).
+      partition: index of the element range (``sharding.Partition.partition``).
       ps_index: the PS task, i.e. the link the item goes over.
       iteration: the training iteration the gradient belongs to (it fills
         the protobuf field ``GradientChunk.step``: Keras calls it a step).

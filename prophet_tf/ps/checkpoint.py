@@ -279,8 +279,11 @@ def choose(checkpointer: Checkpointer | None, signature: dict, optimizer_variabl
     difference = signature_difference(snapshot.signature, signature)
     if difference:
         raise ValueError(f"The checkpoint of step {step} in {checkpointer.policy.directory} "
-                         f"is of another model or cluster ({difference}). Use another "
-                         "--checkpoint-dir or remove it. Received: the model of worker 0")
+                         f"is of another model or cluster ({difference}; partitions "
+                         "differ with the PS count, the partition size, the optimizer's "
+                         "needs and the prophet_tf version that cut them). Use another "
+                         "--checkpoint-dir or remove it; a saved Keras model carries the "
+                         "weights and optimizer state over. Received: the model of worker 0")
     shapes = [tuple(v.shape) for v in optimizer_variables]
     if ([tuple(a.shape) for a in snapshot.optimizer_values] != shapes
             or len(snapshot.params) != num_parts):

@@ -2,7 +2,8 @@
 
 One configuration, a sweep over worker counts and bandwidths (with its plot),
 a prediction of a `prophet-tf bench` run (``--validate``), or a new per-layer
-profile (``--profile``). The simulation itself is prophet_tf.bench.simulate.
+profile (``--profile``). The simulation itself is prophet_tf.bench.simulate,
+and tf-mwms's ring all-reduce prophet_tf.bench.simulate_ring.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import dataclasses
 import glob
 import json
 import logging
-import math
 import os
 import statistics
 import sys
@@ -19,10 +19,37 @@ from typing import Sequence
 
 from prophet_tf import extras
 from prophet_tf.bench import message_costs, saved_profiles, simulate as simulate_lib
+from prophet_tf.bench import simulate_ring
+from prophet_tf.bench.simulate_flow_share import share_sigma_for, uplink_connections
 from prophet_tf.bench import suite as suite_lib
 from prophet_tf.engine import schedulers as schedulers_lib
 
-__all__ = ["sweep", "plot_sweep", "validate", "main"]
+__all__ = ["parse_spec", "simulate_spec", "sweep", "plot_sweep", "validate", "main"]
+
+#: What `prophet-tf simulate` runs without --schedulers (--validate: every one the run has).
+DEFAULT_SCHEDULERS = "fifo,p3,bytescheduler,prophet"
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """A ``--schedulers`` entry, a PS scheduler's or tf-mwms's: ``(name, options)``.
+
+    Raises:
+      ValueError: an unknown scheduler or option.
+    """
+    ring = simulate_ring.parse_spec(spec)
+    return (simulate_ring.NAME, ring) if ring is not None else schedulers_lib.parse_scheduler(spec)
+
+
+def simulate_spec(profile: dict, name: str, options: dict, workers: int, num_ps: int,
+                  bandwidth_mbit: float | None, **kwargs) -> dict:
+    """``simulate.simulate`` of a PS scheduler, or ``simulate_ring.simulate_ring``
+    of tf-mwms (which sends no PS messages: the message costs are left out)."""
+    if name == simulate_ring.NAME:
+        kwargs = {k: v for k, v in kwargs.items() if not k.startswith("rpc_")}
+        return simulate_ring.simulate_ring(profile, workers, num_ps, bandwidth_mbit,
+                                           **options, **kwargs)
+    return simulate_lib.simulate(profile, name, workers, num_ps, bandwidth_mbit,
+                                 scheduler_options=options, **kwargs)
 
 
 def sweep(profile: dict, schedulers: Sequence[str], workers: Sequence[int],
@@ -30,14 +57,13 @@ def sweep(profile: dict, schedulers: Sequence[str], workers: Sequence[int],
     """:func:`simulate` over a grid; ``num_ps`` None = one PS per 4 workers (at least 1).
     ``schedulers``: specs as ``--schedulers`` takes them (``"p3:slice_bytes=N"``),
     which name the rows."""
-    parsed = {spec: schedulers_lib.parse_scheduler(spec) for spec in schedulers}
+    parsed = {spec: parse_spec(spec) for spec in schedulers}
     rows = []
     for w in workers:
         ps = num_ps or max(1, w // 4)
         for bw in bandwidths_mbit:
             for spec, (name, options) in parsed.items():
-                r = simulate_lib.simulate(profile, name, w, ps, bw, scheduler_options=options,
-                                          **kwargs)
+                r = simulate_spec(profile, name, options, w, ps, bw, **kwargs)
                 rows.append({"workers": w, "ps": ps, "bandwidth_mbit": bw, "scheduler": spec,
                              "step_time_s": r["step_time_s"],
                              "ideal_step_time_s": r["ideal_step_time_s"]})
@@ -94,9 +120,11 @@ def _parse(argv):
     parser.add_argument("--bandwidth-mbit", type=float, default=10000.0,
                         help="each link's bandwidth per direction (default 10000)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency")
-    parser.add_argument("--schedulers", default="fifo,p3,bytescheduler,prophet",
+    parser.add_argument("--schedulers", default=None,
                         help="comma-separated, each with options as in `prophet-tf bench`, "
-                             "e.g. fifo,prophet:blocks_in_flight=4 (default %(default)s)")
+                             "e.g. fifo,prophet:blocks_in_flight=4, and tf-mwms (its ring "
+                             "all-reduce; tf-mwms:bytes_per_pack=N) (default "
+                             f"{DEFAULT_SCHEDULERS}; with --validate, every one the run has)")
     parser.add_argument("--iterations", type=int, default=None,
                         help=f"steps to simulate (default {simulate_lib.WARMUP_ITERATIONS} warm-up + 8)")
     parser.add_argument("--compute-s", type=float, default=None,
@@ -153,31 +181,6 @@ def _print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
                         for title, key, fmt in columns))
 
 
-def uplink_connections(workers: int, num_ps: int, layout: str) -> int:
-    """Connections that share the busiest uplink: a colocated host's pushes
-    to the other hosts' PS tasks and its PS's answers to the other workers;
-    a dedicated PS host's answers to every worker, or a worker's pushes to
-    every PS host."""
-    if layout == "colocated":
-        return 2 * (workers - 1)
-    return max(workers, num_ps)
-
-
-def share_sigma_for(flow_shares: Sequence[dict] | None, link_mbit: float | None,
-                    connections: int) -> float:
-    """The fitted ``share_sigma`` of ``benchmarks/flow_share.py``: of the
-    result at the link rate nearest ``link_mbit``, the case with the nearest
-    number of connections (0.0, even sharing, without one)."""
-    if not flow_shares or connections < 2:
-        return 0.0
-    flow_share = min(flow_shares, key=lambda f: abs(f["link_mbit"] - (link_mbit or math.inf)))
-    cases = {int(k): v["share_sigma"] for k, v in flow_share["by_connections"].items()
-             if v.get("share_sigma") is not None}
-    if not cases:
-        return 0.0
-    return cases[min(cases, key=lambda k: (abs(k - connections), k))]
-
-
 # The configuration that a message-cost fit is of: costs fitted on one cluster
 # shape say nothing of another's (its load on the shared cores differs).
 _FIT_SHAPE = ("model", "workers", "ps", "layout", "bandwidth_mbit", "compute", "host_queue")
@@ -215,8 +218,11 @@ def fit_costs(benches: Sequence[dict]) -> CostFit:
 def validate(bench: dict, profile: dict,
              rpc_overhead_s: float = simulate_lib.DEFAULT_RPC_OVERHEAD_S,
              timeline_dir: str | None = None, flow_shares: Sequence[dict] | None = None,
-             seeds: int = 5, fitted: CostFit | None = None) -> list:
-    """Predicted vs measured step time per scheduler of a bench JSON.
+             seeds: int = 5, fitted: CostFit | None = None,
+             schedulers: Sequence[str] | None = None) -> list:
+    """Predicted vs measured step time per scheduler of a bench JSON (those
+    named in ``schedulers``, default all), tf-mwms by the ring model
+    (``simulate_ring.validate_row``).
 
     With ``fitted`` (``fit_costs`` of other runs) each message costs what
     those runs measured: a held-out prediction. Otherwise it costs what this
@@ -230,11 +236,12 @@ def validate(bench: dict, profile: dict,
     if not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1. Received: {seeds!r}")
     config = bench["config"]
+    results = [r for r in bench["results"] if schedulers is None or r["scheduler"] in schedulers]
     if fitted is not None:
         if _shape(config) != fitted.shape:
             raise ValueError(f"the message costs were fitted on runs of {fitted.shape}; "
                              f"the run to predict is of {_shape(config)}")
-        missing = [r["scheduler"] for r in bench["results"]
+        missing = [r["scheduler"] for r in results
                    if r["scheduler"].partition(":")[0] in schedulers_lib.SCHEDULERS
                    and r["scheduler"] not in fitted.by_scheduler]
         if missing:
@@ -243,9 +250,10 @@ def validate(bench: dict, profile: dict,
     if "profile" in config:  # what the bench ran: measured in it, or a shipped one
         profile = saved_profiles.resolve(config["profile"])
     rows = []
-    for r in bench["results"]:
-        if r["scheduler"].partition(":")[0] not in schedulers_lib.SCHEDULERS:
-            continue  # tf-mwms: not a PS scheduler
+    for r in results:
+        if r["scheduler"].partition(":")[0] == simulate_ring.NAME:
+            rows.append(simulate_ring.validate_row(config, r, profile))
+            continue
         name, options = schedulers_lib.parse_scheduler(r["scheduler"])
         runs = sorted(glob.glob(os.path.join(timeline_dir, r["scheduler"] + "-*"))) \
             if timeline_dir else []
@@ -308,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         profile = saved_profiles.load_profile(args.model)
-        names = schedulers_lib.split_specs(args.schedulers)
+        names = schedulers_lib.split_specs(args.schedulers or DEFAULT_SCHEDULERS)
         # Parsed (and so validated) before any simulation runs.
-        parsed = {n: schedulers_lib.parse_scheduler(n) for n in names}
+        parsed = {n: parse_spec(n) for n in names}
+        wanted = names if args.schedulers else None  # --validate: those rows only
         overhead = args.rpc_overhead_ms / 1e3
         if args.plot:  # before the sweep, not after it
             extras.check("matplotlib", "--plot")
@@ -350,13 +359,13 @@ def main(argv: list[str] | None = None) -> int:
                          **row} for c in bench["cells"] for row in validate(
                              c, profile, overhead, args.timeline_dir and os.path.join(
                                  args.timeline_dir, suite_lib.cell_directory(c["cell"])),
-                             flow_shares, args.seeds)]
+                             flow_shares, args.seeds, schedulers=wanted)]
                 columns = [("model", "model", ""), ("workers", "workers", "d"),
                            ("Mbit/s", "bandwidth_mbit", ".0f")] + columns
                 out = {"validation": rows, "suite": bench["suite"]}
             elif len(benches) == 1:
                 rows = validate(benches[0], profile, overhead, args.timeline_dir, flow_shares,
-                                args.seeds, fitted)
+                                args.seeds, fitted, wanted)
                 out = {"validation": rows, "bench_config": _without_profile(benches[0]["config"])}
             else:  # several runs, each predicted alone
                 if args.timeline_dir:
@@ -365,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = [{"run": os.path.basename(path), **row}
                         for path, bench in zip(paths, benches)
                         for row in validate(bench, profile, overhead, None, flow_shares,
-                                            args.seeds, fitted)]
+                                            args.seeds, fitted, wanted)]
                 columns = [("run", "run", "")] + columns
                 out = {"validation": rows, "bench_config": _without_profile(benches[0]["config"])}
             out["costs_from"] = [os.path.basename(p) for p in fit_paths] or None
@@ -388,11 +397,11 @@ def main(argv: list[str] | None = None) -> int:
                 plot_sweep(rows, args.plot, f"{args.model}: simulated speedup over FIFO")
                 print(f"plot written to {args.plot}")
         else:
-            rows = [{**simulate_lib.simulate(
-                        profile, name, args.workers, args.ps, args.bandwidth_mbit,
+            rows = [{**simulate_spec(
+                        profile, name, options, args.workers, args.ps, args.bandwidth_mbit,
                         latency_ms=args.latency_ms, iterations=args.iterations,
-                        compute_s=args.compute_s, rpc_overhead_s=overhead, layout=args.layout,
-                        scheduler_options=options), "scheduler": spec}
+                        compute_s=args.compute_s, rpc_overhead_s=overhead, layout=args.layout),
+                     "scheduler": spec}
                     for spec, (name, options) in parsed.items()]
             fifo = next((r["step_time_s"] for r in rows if r["scheduler"] == "fifo"), None)
             for r in rows:

@@ -1,0 +1,190 @@
+"""tf-mwms in the simulator: the ring all-reduce as TensorFlow runs it, its one fitted
+number, and its predictions of the bench's recorded tf-mwms runs."""
+import json
+import pathlib
+
+import pytest
+
+from prophet_tf.bench import ideal, saved_profiles, simulate_cli, simulate_network, simulate_ring
+
+pytestmark = pytest.mark.timeout(60)
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _profile(nbytes, forward, ready):
+    variables = [{"name": f"v{i}", "shape": [b // 4], "nbytes": b, "forward_s": f,
+                  "backward_ready_s": r} for i, (b, f, r) in enumerate(zip(nbytes, forward, ready))]
+    return {"model": "toy", "variables": variables, "forward_s": sum(forward),
+            "backward_s": max(ready), "compute_s": sum(forward) + max(ready)}
+
+
+# Late layers big, early ones small; the first gradient (of the last variable) is
+# ready long before the last (of the first variable).
+TOY = _profile([48_000, 480_000, 4_800_000, 48_000], [0.02, 0.02, 0.005, 0.001],
+               [0.08, 0.05, 0.01, 0.002])
+MODEL_BYTES = sum(v["nbytes"] for v in TOY["variables"])
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 8])
+def test_every_link_carries_2_w_minus_1_over_w_of_the_model_each_way(workers):
+    r = simulate_ring.simulate_ring(TOY, workers, workers, 100, layout="colocated")
+    for direction in ("sent", "received"):
+        counted = r["link_bytes_per_step"][direction]
+        assert len(counted) == workers
+        assert counted == pytest.approx([2 * (workers - 1) / workers * MODEL_BYTES] * workers,
+                                        abs=4 * workers)
+    assert [p["steps"] for p in r["packs"]] == [2 * (workers - 1)]
+    # Each step, every host sends one chunk per subdivision and receives one.
+    for transfers in simulate_ring.ring_steps(MODEL_BYTES, workers):
+        assert sorted(t[0] for t in transfers) == sorted(t[1] for t in transfers) == \
+            sorted(list(range(workers)) * (len(transfers) // workers))
+    # A ring of one sends nothing: the step is the compute.
+    alone = simulate_ring.simulate_ring(TOY, 1, 1, 100)
+    assert alone["step_time_s"] == pytest.approx(TOY["compute_s"])
+    assert alone["link_bytes_per_step"] == {"sent": [0], "received": [0]}
+
+
+def test_step_time_grows_with_the_bytes_at_a_fixed_bandwidth():
+    def ring_s(profile, mbit=100):
+        r = simulate_ring.simulate_ring(profile, 4, 4, mbit, layout="colocated",
+                                        link_efficiency=1.0, framing=1.0)
+        return r["step_time_s"] - profile["compute_s"]
+
+    scaled = [_profile([b * k for b in (48_000, 480_000, 4_800_000, 48_000)],
+                       [0.02, 0.02, 0.005, 0.001], [0.08, 0.05, 0.01, 0.002]) for k in (1, 2, 4)]
+    times = [ring_s(p) for p in scaled]
+    assert times[0] < times[1] < times[2]
+    assert times == pytest.approx([times[0], 2 * times[0], 4 * times[0]], rel=1e-6)
+    # The ring's bytes over the link rate: 2(W-1)/W of the model per link.
+    assert times[0] == pytest.approx(1.5 * MODEL_BYTES * 8 / 100e6, rel=1e-6)
+    assert ring_s(TOY, 50) == pytest.approx(2 * times[0], rel=1e-6)
+    # What the ring's transfers get of the rate stretches only the link time.
+    slow = simulate_ring.simulate_ring(TOY, 4, 4, 100, link_efficiency=0.5, framing=1.0)
+    assert slow["step_time_s"] - TOY["compute_s"] == pytest.approx(2 * times[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("bytes_per_pack", [0, 100_000])
+def test_the_all_reduce_starts_after_the_last_gradient_and_packs_go_one_by_one(bytes_per_pack):
+    r = simulate_ring.simulate_ring(TOY, 3, 3, 100, latency_ms=1.0, bytes_per_pack=bytes_per_pack)
+    forward = TOY["forward_s"]
+    last_gradient = forward + max(v["backward_ready_s"] for v in TOY["variables"])
+    assert r["gradients_ready_s"] == pytest.approx(last_gradient)
+    steps = r["timeline"]
+    assert steps[0]["start_s"] == pytest.approx(last_gradient)  # not at the first gradient
+    assert all(b["start_s"] == a["end_s"] for a, b in zip(steps, steps[1:]))
+    assert [s["pack"] for s in steps] == sorted(s["pack"] for s in steps)
+    assert r["step_time_s"] == steps[-1]["end_s"]  # the apply takes no time
+    assert len(steps) == len(r["packs"]) * 2 * (3 - 1)
+
+
+def test_packs_and_subdivisions_follow_tensorflow():
+    # Last variable first; a new pack once the current one holds more than bytes_per_pack.
+    assert simulate_ring.packs(TOY) == [[3, 2, 1, 0]]
+    assert simulate_ring.packs(TOY, 100_000) == [[3, 2], [1], [0]]
+    assert simulate_ring.packs(TOY, 10_000_000) == [[3, 2, 1, 0]]
+    # Chunks over 4 MiB are cut in two subdivisions, never more.
+    assert simulate_ring.subdivisions(4_467_880, 2) == 1
+    assert simulate_ring.subdivisions(9 * 2**20, 2) == 2
+    assert simulate_ring.subdivisions(102_334_368, 2) == 2
+    assert len(simulate_ring.ring_steps(102_334_368, 2)[0]) == 2 * 2
+
+
+def test_a_ring_step_takes_what_the_fluid_model_gives():
+    """Every link carries the same flows, so they end together: the step is the
+    busiest link's bytes over its rate, as FluidSim shares them."""
+    workers, rate = 3, 1e6
+    transfers = simulate_ring.ring_steps(MODEL_BYTES, workers)[0]
+    capacity = {("w", h, d): rate for h in range(workers) for d in ("up", "down")}
+    sim = simulate_network.FluidSim(capacity)
+    ends = []
+    for sender, receiver, nbytes in transfers:
+        sim.start_flow(nbytes, (("w", sender, "up"), ("w", receiver, "down")),
+                       lambda: ends.append(sim.now))
+    sim.run(until=lambda: len(ends) == len(transfers))
+    r = simulate_ring.simulate_ring(TOY, workers, workers, rate * 8 / 1e6, framing=1.0,
+                                    link_efficiency=1.0)
+    first = r["timeline"][0]
+    assert max(ends) == pytest.approx(first["end_s"] - first["start_s"], rel=1e-6)
+
+
+def test_specs_and_bad_arguments_name_what_was_received():
+    assert simulate_ring.parse_spec("tf-mwms") == {}
+    assert simulate_ring.parse_spec("tf-mwms:bytes_per_pack=4_194_304") == {
+        "bytes_per_pack": 4194304}
+    assert simulate_ring.parse_spec("prophet:blocks_in_flight=4") is None
+    for bad in ("tf-mwms:bytes_per_pack=-1", "tf-mwms:pack=1", "tf-mwms:bytes_per_pack"):
+        with pytest.raises(ValueError, match="Received"):
+            simulate_ring.parse_spec(bad)
+    with pytest.raises(ValueError, match="link_efficiency=0"):
+        simulate_ring.simulate_ring(TOY, 2, 2, 100, link_efficiency=0)
+    with pytest.raises(ValueError, match="workers=0"):
+        simulate_ring.simulate_ring(TOY, 0, 1, 100)
+
+
+@pytest.mark.parametrize("layout", ["colocated", "dedicated"])
+def test_simulate_runs_tf_mwms_beside_the_ps_schedulers(layout, tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    ps = "2" if layout == "colocated" else "1"
+    assert simulate_cli.main(["--model", "cnn", "--workers", "2", "--ps", ps, "--layout", layout,
+                              "--bandwidth-mbit", "200", "--schedulers", "fifo,tf-mwms",
+                              "--json", str(out)]) == 0
+    rows = {r["scheduler"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["fifo", "tf-mwms"]
+    ring = rows["tf-mwms"]
+    # The ring runs over the worker hosts whatever the PS layout; the bound is the layout's.
+    expected = simulate_ring.simulate_ring(saved_profiles.load_profile("cnn"), 2, int(ps), 200.0,
+                                           layout=layout)
+    assert ring["step_time_s"] == pytest.approx(expected["step_time_s"])
+    assert ring["ideal_step_time_s"] == rows["fifo"]["ideal_step_time_s"]
+    assert ring["ideal"]["layout"] == layout
+    assert "tf-mwms" in capsys.readouterr().out
+    assert simulate_cli.main(["--model", "cnn", "--schedulers", "tf-mwms:bogus=1"]) == 2
+    assert "tf-mwms takes bytes_per_pack" in capsys.readouterr().err
+
+
+def test_a_sweep_has_a_tf_mwms_row_per_cell():
+    rows = simulate_cli.sweep(TOY, ["fifo", "tf-mwms:bytes_per_pack=100000"], [2, 4], [100],
+                              num_ps=1)
+    ring = [r for r in rows if r["scheduler"].startswith("tf-mwms")]
+    assert [r["workers"] for r in ring] == [2, 4]
+    for r in ring:
+        alone = simulate_ring.simulate_ring(TOY, r["workers"], 1, 100, bytes_per_pack=100_000)
+        assert r["step_time_s"] == alone["step_time_s"]
+
+
+@pytest.mark.parametrize("run", ["bench-colocated.json", "bench-colocated-w3.json"])
+def test_validate_predicts_the_recorded_tf_mwms_runs_within_10_percent(run):
+    """Two and three workers, neither of them among the runs the link efficiency
+    was fitted on."""
+    assert run not in simulate_ring.FITTED_ON
+    bench = json.loads((BENCHMARKS / run).read_text())
+    rows = simulate_cli.validate(bench, None, schedulers=["tf-mwms"])
+    assert [r["scheduler"] for r in rows] == ["tf-mwms"]
+    assert abs(rows[0]["error"]) < 0.10, rows[0]
+    assert rows[0]["link_efficiency"] == simulate_ring.LINK_EFFICIENCY
+    assert rows[0]["measured_s"] == next(r["step_time_s"] for r in bench["results"]
+                                         if r["scheduler"] == "tf-mwms")
+
+
+def test_the_link_efficiency_is_the_fit_on_the_runs_it_names():
+    runs = simulate_ring.load_runs(BENCHMARKS / name for name in simulate_ring.FITTED_ON)
+    assert len(runs) == 25  # every cell of the three suites
+    fitted = simulate_ring.fit_link_efficiency(runs)
+    assert fitted == pytest.approx(simulate_ring.LINK_EFFICIENCY, abs=0.005)
+    # The fit is the least squares of the relative errors: nudging it worsens them.
+    def squares(efficiency):
+        return sum((simulate_ring.validate_row(c, r, link_efficiency=efficiency)["error"]) ** 2
+                   for c, r in runs)
+    assert squares(fitted) < min(squares(fitted - 0.02), squares(fitted + 0.02))
+    with pytest.raises(ValueError, match="Received none"):
+        simulate_ring.fit_link_efficiency([])
+
+
+def test_the_ring_never_beats_the_colocated_ideal_bound():
+    """With PS tasks on the worker hosts the bound holds for the ring too."""
+    for workers in (2, 3, 8):
+        for mbit in (None, 10, 1000):
+            r = simulate_ring.simulate_ring(TOY, workers, workers, mbit, layout="colocated",
+                                            link_efficiency=1.0, framing=ideal.TCP_FRAMING)
+            assert r["step_time_s"] >= r["ideal_step_time_s"] * (1 - 1e-9)

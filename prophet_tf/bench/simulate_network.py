@@ -73,23 +73,41 @@ class FluidSim:
         self._last = self.now
 
     def _reschedule(self) -> None:
-        # Progressive filling: the most constrained link (least capacity per
-        # unit of weight) fixes its flows' rates, in proportion to their weights.
-        left = {l: c for l, c in self.capacity.items()}
-        unfixed = set(range(len(self.flows)))
-        while unfixed:
-            weights: dict = {}
-            for i in unfixed:
-                for l in self.flows[i].links:
-                    weights[l] = weights.get(l, 0.0) + self.flows[i].weight
-            link = min(weights, key=lambda l: left[l] / weights[l])
-            share = left[link] / weights[link]
-            for i in [i for i in unfixed if link in self.flows[i].links]:
-                flow = self.flows[i]
-                flow.rate = share * flow.weight
-                unfixed.discard(i)
+        # Progressive filling: the most constrained link (least capacity left
+        # per unit of unfixed weight) fixes its flows' rates, in proportion to
+        # their weights. Fixing flows at the least share only raises every other
+        # link's share, so a heap whose stale entries are too low (pushed again
+        # when popped) finds each next link: O(flows x their links), not
+        # O(flows x links).
+        left, weight, unfixed, flows_on = {}, {}, {}, {}
+        for flow in self.flows:
+            flow.rate = -1.0  # unfixed
+            for link in flow.links:
+                if link not in weight:
+                    left[link], weight[link], unfixed[link] = self.capacity[link], 0.0, 0
+                    flows_on[link] = []
+                weight[link] += flow.weight
+                unfixed[link] += 1
+                flows_on[link].append(flow)
+        order = {link: i for i, link in enumerate(weight)}  # ties: first seen
+        heap = [(left[l] / weight[l], order[l], l) for l in weight]
+        heapq.heapify(heap)
+        while heap:
+            share, _, link = heapq.heappop(heap)
+            if not unfixed[link]:
+                continue
+            current = left[link] / weight[link]
+            if current > share:
+                heapq.heappush(heap, (current, order[link], link))
+                continue
+            for flow in flows_on[link]:
+                if flow.rate >= 0:
+                    continue
+                flow.rate = current * flow.weight
                 for l in flow.links:
                     left[l] -= flow.rate
+                    weight[l] -= flow.weight
+                    unfixed[l] -= 1
         self._epoch += 1
         epoch = self._epoch
         if self.flows:

@@ -10,6 +10,8 @@ BUILD_DEPS := "setuptools>=77" wheel "tensorflow-cpu>=2.21,<2.22" "grpcio-tools>
 OPS_SOURCES := $(shell find ops -path ops/tests -prune -o \( -name '*.cc' -o -name '*.h' \) -print)
 PROTOS := $(shell find protos -name '*.proto')
 STAMP := $(VENV)/.prophet_tf-installed
+# The ssh server `make test-long` needs (see the rule below).
+SSHD := /usr/sbin/sshd
 
 .PHONY: demo test test-long install build bench clean sanitize
 
@@ -27,10 +29,18 @@ test: build
 	$(PYTEST)
 
 # The long variants (marked slow) alone: the full demo's accuracy, the
-# 10,000-request fuzz, the 200-step load test, the sanitizer runs. CI runs
-# them after `make test`.
-test-long: build
+# 10,000-request fuzz, the 200-step load test, the sanitizer runs, `launch
+# --hosts` over real ssh. CI runs them after `make test`.
+test-long: build $(SSHD)
 	$(PYTEST) --runslow -m slow
+
+# `launch --hosts`'s tests run a real sshd in network namespaces (as root):
+# Debian's openssh-server, installed here when it is missing. The tests start
+# their own sshd with their own configuration and keys.
+$(SSHD):
+	@if [ "$$(id -u)" != 0 ]; then echo "make test-long needs $(SSHD) (openssh-server) for the launch --hosts tests, and root for their network namespaces: run it as root, or install openssh-server first" >&2; exit 1; fi
+	apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server
 
 install: $(STAMP)
 

@@ -1,7 +1,8 @@
-"""`prophet-tf launch`: a whole cluster on this machine.
+"""`prophet-tf launch`: a whole cluster on this machine, or on several over ssh.
 
     prophet-tf launch --workers 2 --ps 1 [--scheduler fifo] -- python train.py
     prophet-tf launch --gpus 4 --ps 1 -- python train.py     # one worker per GPU
+    prophet-tf launch --hosts a:2,b:2 -- python train.py     # over ssh, see remote_hosts
 
 Starts M PS tasks on free ports, waits until each reports SERVING on the
 standard gRPC health service, then starts N copies of CMD, each with its own
@@ -25,6 +26,10 @@ caller's CUDA_VISIBLE_DEVICES if it is set (the first N are used), else i.
 PS tasks get CUDA_VISIBLE_DEVICES="" so that they take no GPU memory. Bad
 input (N < 1, another number of workers, a malformed or too short
 CUDA_VISIBLE_DEVICES) is rejected before anything starts.
+
+With ``--hosts H[:N],...`` every task is started over ssh instead
+(prophet_tf.tools.remote_hosts): N workers on host H and ``--ps`` PS tasks on
+every host, each PS on a port it picks and reports back; the rest is the same.
 """
 from __future__ import annotations
 
@@ -36,11 +41,12 @@ import signal
 import sys
 import tempfile
 import threading
+from typing import Mapping, Sequence
 
 from prophet_tf import cluster as cluster_lib
 from prophet_tf import environment, progress
 from prophet_tf.tools import board as board_lib
-from prophet_tf.tools import launched_tasks, processes
+from prophet_tf.tools import launched_tasks, processes, remote_hosts
 from prophet_tf.tools.gpus import CUDA_DEVICES_ENV, gpu_devices
 from prophet_tf.tools.launched_tasks import TF_LOG_LEVEL_ENV, Task
 
@@ -74,17 +80,21 @@ def _wait_healthy(task: Task, address: str, timeout_s: float,
                         security=security)
 
 
-def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | None = None,
-           host: str = "127.0.0.1", startup_timeout_s: float = 120.0, out=None, *,
-           restarts: int = 0, checkpoint_dir: str | None = None,
-           checkpoint_steps: int | None = None, checkpoint_secs: float | None = None,
-           log_level: str | None = None, progress_interval_s: float = 10.0,
-           verbose: bool = True, gpus: int | None = None) -> int:
+def launch(command: list[str], num_workers: int | None, num_ps: int,
+           scheduler: str | None = None, host: str = "127.0.0.1",
+           startup_timeout_s: float = 120.0, out=None, *, restarts: int = 0,
+           checkpoint_dir: str | None = None, checkpoint_steps: int | None = None,
+           checkpoint_secs: float | None = None, log_level: str | None = None,
+           progress_interval_s: float = 10.0, verbose: bool = True, gpus: int | None = None,
+           hosts: Sequence[remote_hosts.Host] | None = None,
+           ssh: remote_hosts.SshOptions | None = None,
+           env: Mapping[str, str] | None = None) -> int:
     """Runs the cluster to completion; returns the exit code (see module doc).
 
     Args:
       command: the worker command (every worker runs it).
-      num_workers, num_ps: how many worker and PS tasks.
+      num_workers, num_ps: how many worker and PS tasks. With ``hosts``,
+        num_workers is None (the hosts say it) and num_ps is per host.
       scheduler: exported to the workers as PROPHET_TF_SCHEDULER.
       host: the address the PS tasks bind and the cluster spec names.
       startup_timeout_s: how long each PS may take to listen and be SERVING.
@@ -102,6 +112,9 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
         equal it): worker i gets CUDA_VISIBLE_DEVICES=gpu_devices(...)[i],
         from this process's CUDA_VISIBLE_DEVICES; PS tasks get "". None:
         CUDA_VISIBLE_DEVICES is left as it is.
+      hosts: start the tasks on these hosts over ssh (``remote_hosts``,
+        ``--hosts``), with ``ssh``'s options; None: all on this machine.
+      env: set in every task's environment (with ``hosts``, sent to each).
 
     Raises:
       ValueError: a bad argument, before anything starts.
@@ -116,6 +129,11 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
         raise ValueError("progress_interval_s must be >= 0. "
                          f"Received: progress_interval_s={progress_interval_s!r}")
     devices = None
+    if hosts is not None and (num_workers is not None or gpus is not None):
+        raise ValueError("--hosts gives the workers, HOST:WORKERS for each host; leave out "
+                         f"--workers and --gpus. Received: --workers {num_workers}, --gpus {gpus}")
+    if hosts is not None:
+        num_workers = sum(h.workers for h in hosts)
     if gpus is not None:
         devices = gpu_devices(gpus, os.environ.get(CUDA_DEVICES_ENV))
         if num_workers != gpus:
@@ -129,6 +147,7 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
     from prophet_tf.ps import security as security_lib
     base_env = dict(os.environ)
     base_env.setdefault(TF_LOG_LEVEL_ENV, "2")  # TensorFlow's own start-up chatter: quiet
+    base_env.update(env or {})
     if security_lib.TOKEN_ENV not in base_env and security_lib.TOKEN_FILE_ENV not in base_env:
         # Authenticated by default: every task of this cluster, and only they, get the token.
         import secrets
@@ -143,14 +162,18 @@ def launch(command: list[str], num_workers: int, num_ps: int, scheduler: str | N
 
     if log_level is not None:
         base_env[LOG_LEVEL_ENV] = log_level
+    if hosts is None:
+        placement = _ThisHost(host, base_env, num_workers, num_ps)
+    else:
+        placement = remote_hosts.SshHosts(hosts, num_ps, ssh or remote_hosts.SshOptions(),
+                                          base_env, forward=list(env or {}))
     ps_flags = _checkpoint_flags(checkpoint_dir, checkpoint_steps, checkpoint_secs)
     if devices is not None:
         logger.info("one worker per GPU: %s; PS tasks: %s=\"\"", ", ".join(
             f"worker {i} on {CUDA_DEVICES_ENV}={d}" for i, d in enumerate(devices)),
             CUDA_DEVICES_ENV)
-    cluster = _Cluster(command, num_workers, num_ps, scheduler, host, startup_timeout_s, out,
-                       base_env, client_security, ps_flags, progress_interval_s, verbose,
-                       devices)
+    cluster = _Cluster(command, placement, scheduler, startup_timeout_s, out, base_env,
+                       client_security, ps_flags, progress_interval_s, verbose, devices)
     attempts = restarts + 1
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -190,22 +213,57 @@ def _checkpoint_flags(directory: str | None, steps: int | None, secs: float | No
     return lambda i: ["--checkpoint-dir", os.path.join(directory, f"ps-{i}"), *extra]
 
 
+class _ThisHost:
+    """Where the cluster's tasks go without ``--hosts``: all on this machine, the PS
+    tasks bound to `host`, each reporting its port in a file."""
+
+    def __init__(self, host: str, base_env: dict[str, str], num_workers: int, num_ps: int):
+        self.host, self.base_env = host, base_env
+        self.num_workers, self.num_ps = num_workers, num_ps
+        self._port_files: dict[str, str] = {}
+
+    def ps_name(self, i: int) -> str:
+        return f"ps {i}"
+
+    def worker_name(self, i: int) -> str:
+        return f"worker {i}"
+
+    def _start(self, name: str, argv: list[str], extra, out) -> Task:
+        logger.debug("starting %s: %s", name, " ".join(argv))
+        return Task(name, argv, {**self.base_env, **extra}, out)
+
+    def start_ps(self, i: int, ps_args: list[str], extra, out, tmp: str) -> Task:
+        self._port_files[self.ps_name(i)] = os.path.join(tmp, f"ps{i}.port")
+        argv = [sys.executable, "-m", "prophet_tf", "ps", "--host", self.host, "--port", "0",
+                *ps_args, "--port-file", self._port_files[self.ps_name(i)]]
+        return self._start(self.ps_name(i), argv, extra, out)
+
+    def ps_address(self, task: Task, i: int, timeout_s: float, alive) -> str:
+        port = processes.wait_for_port_file(self._port_files[task.name], timeout_s,
+                                            name=task.name, alive=alive)
+        return f"{self.host}:{port}"
+
+    def worker_addresses(self) -> list[str]:
+        # Workers do not listen yet; a free port keeps their names valid addresses.
+        return [f"{self.host}:{cluster_lib.free_port(self.host)}"
+                for _ in range(self.num_workers)]
+
+    def start_worker(self, i: int, command: list[str], extra, out, tmp: str) -> Task:
+        extra = {**extra, progress.STATUS_FILE_ENV: os.path.join(tmp, f"worker-{i}.status.json")}
+        return self._start(self.worker_name(i), list(command), extra, out)
+
+
 class _Cluster:
     """Everything needed to start the cluster; `run` starts one attempt."""
 
-    def __init__(self, command, num_workers, num_ps, scheduler, host, startup_timeout_s, out,
-                 base_env, client_security, ps_flags, progress_interval_s, verbose,
-                 devices=None):
-        self.command, self.num_workers, self.num_ps = command, num_workers, num_ps
-        self.scheduler, self.host, self.startup_timeout_s = scheduler, host, startup_timeout_s
+    def __init__(self, command, placement, scheduler, startup_timeout_s, out, base_env,
+                 client_security, ps_flags, progress_interval_s, verbose, devices=None):
+        self.command, self.placement, self.scheduler = command, placement, scheduler
+        self.startup_timeout_s = startup_timeout_s
         self.out, self.base_env, self.client_security = out, base_env, client_security
         self.ps_flags, self.progress_interval_s = ps_flags, progress_interval_s
         self.verbose = verbose
         self.devices = devices  # worker i's CUDA_VISIBLE_DEVICES; None: left alone
-
-    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> Task:
-        logger.debug("starting %s: %s", name, " ".join(argv))
-        return Task(name, argv, env, self.out)
 
     def run(self, stopping: threading.Event, attempt: int | None) -> tuple[int, str]:
         """Starts the PS tasks, then the workers, and supervises them until the end.
@@ -216,46 +274,36 @@ class _Cluster:
         """
         tasks: list[Task] = []
         board = board_lib.Board(interval_s=self.progress_interval_s, verbose=self.verbose)
-        host, num_workers, num_ps = self.host, self.num_workers, self.num_ps
+        place = self.placement
+        num_workers, num_ps = place.num_workers, place.num_ps
         try:
             with tempfile.TemporaryDirectory(prefix="prophet-tf-launch-") as tmp:
-                ps_addresses = []
                 for i in range(num_ps):
-                    port_file = os.path.join(tmp, f"ps{i}.port")
-                    argv = [sys.executable, "-m", "prophet_tf", "ps", "--host", host, "--port",
-                            "0", "--num-workers", str(num_workers), "--ps-index", str(i),
-                            "--num-ps", str(num_ps), "--port-file", port_file, *self.ps_flags(i)]
-                    env = dict(self.base_env)
-                    if self.devices is not None:
-                        env[CUDA_DEVICES_ENV] = ""  # A PS computes on the CPU: no GPU memory.
-                    tasks.append(self._start(f"ps {i}", argv, env))
+                    ps_args = ["--num-workers", str(num_workers), "--ps-index", str(i),
+                               "--num-ps", str(num_ps), *self.ps_flags(i)]
+                    # A PS computes on the CPU: with --gpus, no GPU memory.
+                    extra = {CUDA_DEVICES_ENV: ""} if self.devices is not None else {}
+                    tasks.append(place.start_ps(i, ps_args, extra, self.out, tmp))
                     board.add(tasks[-1].name, "ps")
-                    ps_addresses.append((tasks[-1], port_file))
-                addresses = []
-                for task, port_file in ps_addresses:
-                    port = processes.wait_for_port_file(
-                        port_file, self.startup_timeout_s, name=task.name,
-                        alive=_alive(task, stopping, "it listened"))
-                    addresses.append(f"{host}:{port}")
-                for (task, _), address in zip(ps_addresses, addresses):
+                addresses = [place.ps_address(task, i, self.startup_timeout_s,
+                                              _alive(task, stopping, "it listened"))
+                             for i, task in enumerate(tasks)]
+                for task, address in zip(list(tasks), addresses):
                     _wait_healthy(task, address, self.startup_timeout_s, stopping,
                                   self.client_security)
                     board.healthy(task.name, address)
-                # Workers do not listen yet; a free port keeps their names valid addresses.
-                workers = [f"{host}:{cluster_lib.free_port(host)}" for _ in range(num_workers)]
-                cluster = {"worker": workers, "ps": addresses}
+                cluster = {"worker": place.worker_addresses(), "ps": addresses}
                 worker_tasks = []
                 for i in range(num_workers):
-                    env = dict(self.base_env)
-                    env.setdefault("PYTHONUNBUFFERED", "1")  # Relay workers' lines as printed.
-                    env["TF_CONFIG"] = json.dumps({"cluster": cluster,
-                                                   "task": {"type": "worker", "index": i}})
-                    env[progress.STATUS_FILE_ENV] = os.path.join(tmp, f"worker-{i}.status.json")
+                    extra = {"TF_CONFIG": json.dumps({"cluster": cluster,
+                                                      "task": {"type": "worker", "index": i}}),
+                             # Relay workers' lines as printed.
+                             "PYTHONUNBUFFERED": self.base_env.get("PYTHONUNBUFFERED", "1")}
                     if self.scheduler:
-                        env[environment.SCHEDULER] = self.scheduler
+                        extra[environment.SCHEDULER] = self.scheduler
                     if self.devices is not None:
-                        env[CUDA_DEVICES_ENV] = self.devices[i]
-                    worker_tasks.append(self._start(f"worker {i}", list(self.command), env))
+                        extra[CUDA_DEVICES_ENV] = self.devices[i]
+                    worker_tasks.append(place.start_worker(i, self.command, extra, self.out, tmp))
                     board.add(worker_tasks[-1].name, "worker")
                 tasks.extend(worker_tasks)
                 try:
@@ -279,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:split], argv[split + 1:]
     parser = argparse.ArgumentParser(
         prog="prophet-tf launch", description=__doc__.split("\n\n")[0],
-        usage="prophet-tf launch (--workers N | --gpus N) [--ps M] [--scheduler S] "
-              "[--restart K] [--checkpoint-dir D] [--log-level L] -- CMD [ARGS]")
+        usage="prophet-tf launch (--workers N | --gpus N | --hosts H[:N],...) [--ps M] "
+              "[--scheduler S] [--restart K] [--checkpoint-dir D] [--log-level L] "
+              "[--ssh-... ] [--env NAME[=VALUE]] -- CMD [ARGS]")
     parser.add_argument("--workers", type=int, default=None,
                         help="number of worker processes (required unless --gpus gives it)")
     parser.add_argument("--gpus", type=int, default=None, metavar="N",
@@ -288,11 +337,17 @@ def main(argv: list[str] | None = None) -> int:
                              f"{CUDA_DEVICES_ENV}=the i-th entry of ${CUDA_DEVICES_ENV} if set, "
                              f"else i; PS tasks get {CUDA_DEVICES_ENV}=\"\" (--workers, if "
                              "given, must be N)")
-    parser.add_argument("--ps", type=int, default=1, help="number of PS tasks (default 1)")
+    parser.add_argument("--hosts", default=None, metavar="H[:N],...",
+                        help="start the tasks over ssh on these hosts: N workers on host H (1 "
+                             "if left out) and --ps PS tasks on every host; in this directory "
+                             "and with this Python on each (see docs/guide.md)")
+    parser.add_argument("--ps", type=int, default=1,
+                        help="number of PS tasks (default 1); with --hosts, on every host")
     parser.add_argument("--scheduler", default=None,
                         help="gradient scheduler for every worker, a name or name:option=value,... "
                              "(e.g. prophet:blocks_in_flight=4); sets PROPHET_TF_SCHEDULER")
-    parser.add_argument("--host", default="127.0.0.1", help="address the PS tasks bind")
+    parser.add_argument("--host", default=None,
+                        help="address the PS tasks bind (default 127.0.0.1; not with --hosts)")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="seconds to wait for each PS to become healthy")
     parser.add_argument("--restart", type=int, default=0, metavar="K",
@@ -313,9 +368,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress-interval", type=float, default=10.0, metavar="S",
                         help="at most one progress line per training worker every S seconds "
                              "unless its epoch changes; 0: state changes only (default 10)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                        help="set NAME in every task's environment; NAME alone sends this "
+                             "environment's NAME to --hosts tasks (repeatable)")
+    parser.add_argument("--ssh-port", type=int, default=None, metavar="P",
+                        help="with --hosts: the hosts' ssh port (ssh -p)")
+    parser.add_argument("--ssh-identity-file", default=None, metavar="FILE",
+                        help="with --hosts: the private key ssh uses (ssh -i)")
+    parser.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --hosts: passed to ssh as -o KEY=VALUE (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    if args.workers is None and args.gpus is None:
+    ssh_given = [flag for flag, value in (("--ssh-port", args.ssh_port), ("--ssh-option",
+                 args.ssh_option or None), ("--ssh-identity-file", args.ssh_identity_file))
+                 if value is not None]
+    if args.hosts is not None:
+        given = [f"{flag} {value}" for flag, value in (("--workers", args.workers), ("--gpus",
+                 args.gpus), ("--host", args.host)) if value is not None]
+        if given:
+            parser.error("--hosts gives each host's workers (HOST:WORKERS) and binds the PS "
+                         f"tasks on every interface of their hosts; leave out {', '.join(given)}"
+                         f". Received: --hosts {args.hosts} with {', '.join(given)}")
+    elif ssh_given:
+        parser.error(f"{', '.join(ssh_given)} go with --hosts. Received: {', '.join(ssh_given)} "
+                     "without --hosts")
+    elif args.workers is None and args.gpus is None:
         parser.error("the following arguments are required: --workers (or --gpus N: one worker "
                      "per GPU). Received neither")
     if args.restart < 0:
@@ -329,14 +406,18 @@ def main(argv: list[str] | None = None) -> int:
             from prophet_tf.engine.schedulers import parse_scheduler
             parse_scheduler(args.scheduler)
         num_workers = args.gpus if args.workers is None else args.workers
-        return launch(command, num_workers, args.ps, args.scheduler, args.host,
+        hosts = None if args.hosts is None else remote_hosts.parse_hosts(args.hosts)
+        ssh = remote_hosts.SshOptions(args.ssh_port, args.ssh_identity_file,
+                                      tuple(args.ssh_option))
+        return launch(command, num_workers, args.ps, args.scheduler, args.host or "127.0.0.1",
                       args.startup_timeout, restarts=args.restart,
                       checkpoint_dir=args.checkpoint_dir,
                       checkpoint_steps=args.checkpoint_steps,
                       checkpoint_secs=args.checkpoint_secs, log_level=args.log_level,
                       progress_interval_s=args.progress_interval,
                       verbose=logging.getLevelName(args.log_level) <= logging.INFO,
-                      gpus=args.gpus)
+                      gpus=args.gpus, hosts=hosts, ssh=ssh,
+                      env=remote_hosts.parse_env_items(args.env, os.environ))
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"prophet-tf launch: {e}", file=sys.stderr)
         return 2

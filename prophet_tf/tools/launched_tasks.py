@@ -20,7 +20,7 @@ from prophet_tf import progress
 from prophet_tf.tools import board as board_lib
 from prophet_tf.tools import processes
 
-__all__ = ["Task", "TF_LOG_LEVEL_ENV", "stop_all", "supervise"]
+__all__ = ["Task", "TF_LOG_LEVEL_ENV", "hides_banners", "stop_all", "supervise"]
 
 # TensorFlow's C++ log level; the launcher gives tasks 2 (warnings and errors
 # hidden) unless the caller set it.
@@ -45,25 +45,63 @@ def _check_executable(program: str, env: dict[str, str]) -> None:
         raise FileNotFoundError(2, "No such file or directory (not on PATH)", program)
 
 
-class Task(processes.ChildProcess):
-    """One child process whose output is relayed line by line with a prefix."""
+def hides_banners(env: dict[str, str]) -> bool:
+    """Whether a task with environment ``env`` has TensorFlow's start-up banners dropped."""
+    return env.get(TF_LOG_LEVEL_ENV, "0").strip() not in ("", "0")
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], out=None):
+
+class Task(processes.ChildProcess):
+    """One child process whose output is relayed line by line with a prefix.
+
+    Args:
+      name: the task's name, which prefixes its lines.
+      argv, env: its command and whole environment.
+      out: where its prefixed lines go (default stdout).
+      stdin: bytes written to its standard input, which then stays open until
+        :meth:`close_stdin` (None: no input).
+      drop_banners: drop TensorFlow's start-up banners (None: as ``env``'s
+        TF_CPP_MIN_LOG_LEVEL says, :func:`hides_banners`).
+    """
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], out=None, *,
+                 stdin: bytes | None = None, drop_banners: bool | None = None):
         self._out = out or sys.stdout
         self.status_file = env.get(progress.STATUS_FILE_ENV)
-        self._drop_banners = env.get(TF_LOG_LEVEL_ENV, "0").strip() not in ("", "0")
+        self._drop_banners = hides_banners(env) if drop_banners is None else drop_banners
         _check_executable(argv[0], env)  # The shim below would only exit 127.
         # No preexec_fn: see prophet_tf/tools/_die_with_parent.py for why.
         super().__init__(
             name,
             [sys.executable, "-m", "prophet_tf.tools._die_with_parent", str(os.getpid()), *argv],
-            env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            env, stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE)
+        if stdin is not None:
+            try:
+                self.process.stdin.write(stdin)
+                self.process.stdin.flush()
+            except BrokenPipeError:  # It exited already; poll() tells.
+                pass
         self._relay = threading.Thread(target=self._pump, name=f"relay-{name}", daemon=True)
         self._relay.start()
+
+    def close_stdin(self) -> None:
+        """Closes the task's standard input (it reads EOF), if it has one."""
+        if self.process.stdin is not None:
+            try:
+                self.process.stdin.close()
+            except OSError:  # The task is gone: a flush into a closed pipe.
+                pass
+
+    def take(self, line: bytes) -> bool:
+        """Whether ``line`` is for the launcher rather than the output (then it is not
+        relayed); a subclass's hook. This class relays every line."""
+        return False
 
     def _pump(self):
         prefix = f"[{self.name}] ".encode()
         for line in iter(self.process.stdout.readline, b""):
+            if self.take(line):
+                continue
             if self._drop_banners and any(b.match(line) for b in _STARTUP_BANNERS):
                 continue
             self._out.buffer.write(prefix + line) if hasattr(self._out, "buffer") else \

@@ -147,4 +147,5 @@ def test_neither_workers_nor_gpus():
 def test_help_names_gpus():
     result = run_prophet("launch", "--help", env=_env(), timeout=20)
     assert result.returncode == 0
-    assert "(--workers N | --gpus N)" in result.stdout and "one per GPU" in result.stdout
+    assert "(--workers N | --gpus N | --hosts H[:N],...)" in result.stdout
+    assert "one per GPU" in result.stdout

@@ -392,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                                 ("Mbit/s", "bandwidth_mbit", ".0f"), ("scheduler", "scheduler", ""),
                                 ("step s", "step_time_s", ".4f"), ("ideal s", "ideal_step_time_s", ".4f"),
                                 ("vs fifo", "speedup_vs_fifo", ".2f")])
-            out = {"model": args.model, "sweep": rows}
+            out = {"model": args.model, "layout": "dedicated", "compute_s": args.compute_s,
+                   "command": "prophet-tf simulate " + " ".join(argv if argv is not None
+                                                               else sys.argv[1:]),
+                   "sweep": rows}
             if args.plot:
                 plot_sweep(rows, args.plot, f"{args.model}: simulated speedup over FIFO")
                 print(f"plot written to {args.plot}")

@@ -245,3 +245,19 @@ def test_a_cuts_table_has_the_spread_per_ps_count_and_each_scheduler_over_the_bo
     assert lines[6] == "| 8 / 2 | 1 | rows | 2.00 | 1.50 | 2.00 |"
     assert lines[7] == "| 8 / 2 | 1 | elements | 1.50 | 1.10 | 2.00 |"
     assert lines[-1].endswith("From `c`.")
+
+
+def test_a_sweep_table_has_each_scheduler_over_the_bound_per_cell():
+    from prophet_tf.bench import sweep_table
+
+    rows = [dict(workers=w, ps=max(1, w // 4), bandwidth_mbit=mbit, scheduler=name,
+                 step_time_s=step, ideal_step_time_s=2.0)
+            for w, mbit, name, step in [(4, 1000, "fifo", 4.0), (4, 1000, "tf-mwms", 3.0),
+                                        (8, 2500, "fifo", 2.5), (8, 2500, "tf-mwms", 2.2)]]
+    result = {"model": "m", "compute_s": 0.25, "layout": "dedicated", "command": "c",
+              "sweep": rows}
+    lines = sweep_table.sweep_table(result).splitlines()
+    assert lines[0] == "| workers / PS | Gbit/s | fifo | tf-mwms | ideal s |"
+    assert lines[2] == "| 4 / 1 | 1 | 2.00 | 1.50 | 2.000 |"
+    assert lines[3] == "| 8 / 2 | 2.5 | 1.25 | 1.10 | 2.000 |"
+    assert lines[-1].endswith("dedicated layout (one PS per 4 workers). From `c`.")

@@ -129,6 +129,9 @@ def _parse(argv):
     parser.add_argument("--schedulers", default=d["schedulers"],
                         help="comma-separated: fifo, p3, bytescheduler, prophet, tf-mwms; a "
                              "scheduler may name options (prophet:partition_bytes=200000)")
+    parser.add_argument("--tf-mwms-bytes-per-pack", type=int, default=None, metavar="N",
+                        help="tf-mwms's CommunicationOptions(bytes_per_pack); default: "
+                             "the fastest of 0, 1, 4 and 16 MiB, one measured run each")
     parser.add_argument("--compute-reps", type=int, default=2,
                         help="compute-only runs (first reps); 0 = the profile's compute time")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -172,6 +175,9 @@ def _parse(argv):
                      f">= 0. Received: --workers={args.workers}, --ps={args.ps}, "
                      f"--reps={args.reps}, --bandwidth-mbit={args.bandwidth_mbit}, "
                      f"--latency-ms={args.latency_ms}")
+    if args.tf_mwms_bytes_per_pack is not None and args.tf_mwms_bytes_per_pack < 0:
+        parser.error(f"--tf-mwms-bytes-per-pack must be >= 0. "
+                     f"Received: --tf-mwms-bytes-per-pack={args.tf_mwms_bytes_per_pack}")
     return args
 
 

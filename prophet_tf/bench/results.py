@@ -55,7 +55,8 @@ def median_or_none(values) -> float | None:
 
 
 def bench_result(args, names: list[str], runs: dict[str, list[dict]], profile: dict,
-                 profile_record: dict, *, options: dict, search: list, shaping: str,
+                 profile_record: dict, *, options: dict, search: list, pack_search: list,
+                 shaping: str,
                  framing: float, link_mbit: float, latency_ms: float) -> dict:
     """The JSON of a configuration: ``config`` and each scheduler's ``results``.
 
@@ -65,7 +66,8 @@ def bench_result(args, names: list[str], runs: dict[str, list[dict]], profile: d
       runs: per scheduler, and ``"compute"``, each run's record (``runner.run_bench``).
       profile, profile_record: the model's profile and how the JSON names it;
         replaced by the profile of the compute run nearest the median, if any.
-      options: each scheduler's options; search: ByteScheduler's tuning.
+      options: each scheduler's options; search: ByteScheduler's tuning;
+        pack_search: tf-mwms's measured pack sizes (``runner._tune_tf_mwms``).
       shaping: ``"netns"`` or ``"transport"``; framing: the links' TCP framing.
       link_mbit, latency_ms: the links as emulated (at the time scale).
     """
@@ -86,6 +88,7 @@ def bench_result(args, names: list[str], runs: dict[str, list[dict]], profile: d
                                                            options.get(n))
                                      for n in names if n != "tf-mwms"},
               "bytescheduler_search": search,
+              "tf_mwms": options.get("tf-mwms"), "tf_mwms_search": pack_search,
               "bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms,
               "host_queue": args.host_queue if shaping == "netns" else None,
               "compute": args.compute, "compute_scale": args.scale,

@@ -85,6 +85,7 @@ def run_bench(args, out=sys.stdout) -> dict:
     runs = {n: [] for n in ["compute"] + names}
     options = {n: o for n, o in given.items() if o}  # scheduler spec -> its options
     search: list[dict] = []
+    pack_search: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="prophet-tf-bench-") as workdir:
         if ok:
             network = netns.EmulatedNetwork(
@@ -111,6 +112,9 @@ def run_bench(args, out=sys.stdout) -> dict:
                     if name == "bytescheduler" and "bytescheduler" not in options:
                         options["bytescheduler"], search = _tune_bytescheduler(
                             args, runs["compute"], profile, framing, out)
+                    if name == "tf-mwms" and "tf-mwms" not in options:
+                        options["tf-mwms"], pack_search = _tune_tf_mwms(
+                            cluster, args, workdir, shape_env, out)
                     t0 = time.monotonic()
                     result = run_once(cluster, name, args, workdir, shape_env,
                                       options.get(name))
@@ -128,7 +132,8 @@ def run_bench(args, out=sys.stdout) -> dict:
             if network:
                 network.close()
     return results_lib.bench_result(args, names, runs, profile, profile_record, options=options,
-                                    search=search, shaping=shaping, framing=framing,
+                                    search=search, pack_search=pack_search,
+                                    shaping=shaping, framing=framing,
                                     link_mbit=link_mbit, latency_ms=latency_ms)
 
 
@@ -174,3 +179,24 @@ def _tune_bytescheduler(args, compute_runs: list, profile: dict, framing: float,
           f"partition_bytes={chosen['partition_bytes']}, credit_bytes={chosen['credit_bytes']}",
           file=out, flush=True)
     return chosen, rows
+
+
+def _tune_tf_mwms(cluster, args, workdir: str, shape_env: dict, out) -> tuple[dict, list]:
+    """tf-mwms's pack size for this configuration: one measured run with each of
+    ``tuning.TF_MWMS_PACK_BYTES``, the fastest kept (``tuning.choose_pack``); with
+    ``--tf-mwms-bytes-per-pack`` that size, untried."""
+    from prophet_tf.bench import tuning
+
+    fixed = getattr(args, "tf_mwms_bytes_per_pack", None)
+    if fixed is not None:
+        return {"bytes_per_pack": fixed}, []
+    rows = []
+    for pack in tuning.TF_MWMS_PACK_BYTES:
+        result = run_once(cluster, "tf-mwms", args, workdir, shape_env, {"bytes_per_pack": pack})
+        rows.append({"bytes_per_pack": pack, "step_time_s": results_lib.run_step_time(
+            result["reports"], WARMUP_STEPS)})
+    chosen = tuning.choose_pack(rows)
+    print("prophet-tf bench: tf-mwms tuned over bytes_per_pack (measured, one run each): "
+          + ", ".join(f"{r['bytes_per_pack']}: {r['step_time_s'] * 1e3:.1f} ms" for r in rows)
+          + f"; chose {chosen}", file=out, flush=True)
+    return {"bytes_per_pack": chosen}, rows

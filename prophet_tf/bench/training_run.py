@@ -21,7 +21,7 @@ from prophet_tf.bench import worker as worker_lib
 from prophet_tf.bench.results import WARMUP_STEPS, busy_between, measured_window
 from prophet_tf.tools import processes
 
-__all__ = ["Cluster", "run_once", "PS_PORT", "WORKER_PORT", "RUN_TIMEOUT_S",
+__all__ = ["Cluster", "run_once", "worker_argv", "PS_PORT", "WORKER_PORT", "RUN_TIMEOUT_S",
            "SAMPLE_PERIOD_S"]
 
 # Fixed: every host has its own namespace. A host's k-th PS task listens on
@@ -147,6 +147,19 @@ def _start_ps_tasks(cluster: Cluster, args, workdir: str, tag: str, timelines: s
     return addresses
 
 
+def worker_argv(framework: str, args, out: str, options: dict | None = None) -> list[str]:
+    """The command of one bench worker (``prophet_tf.bench.worker``); ``options``:
+    tf-mwms's (``bytes_per_pack``), the PS schedulers' go in the environment."""
+    argv = [sys.executable, "-m", "prophet_tf.bench.worker", "--framework", framework,
+            "--model", args.model, "--steps", str(args.steps), "--global-batch",
+            str(args.global_batch), "--out", out]
+    if args.compute == "emulated":
+        argv += ["--compute", "emulated", "--scale", repr(args.scale)]
+    if framework == "tf-mwms" and options:
+        argv += ["--bytes-per-pack", str(int(options["bytes_per_pack"]))]
+    return argv
+
+
 def run_once(cluster: Cluster, scheduler: str, args, workdir: str, shape_env: dict,
              options: dict | None = None) -> dict:
     """One training run (``options``: the scheduler's); returns the workers' reports."""
@@ -181,11 +194,7 @@ def run_once(cluster: Cluster, scheduler: str, args, workdir: str, shape_env: di
                 # Kept where asked, else in the work directory: the run's
                 # message costs are measured from them (message_costs.py).
                 extra[environment.TIMELINE] = timelines
-            argv = [sys.executable, "-m", "prophet_tf.bench.worker", "--framework", framework,
-                    "--model", args.model, "--steps", str(args.steps), "--global-batch",
-                    str(args.global_batch), "--out", out]
-            if args.compute == "emulated":
-                argv += ["--compute", "emulated", "--scale", repr(args.scale)]
+            argv = worker_argv(framework, args, out, options)
             log = open(os.path.join(workdir, f"{tag}-worker{j}.log"), "wb")
             logs.append(log)
             p = processes.ChildProcess(f"worker {j}",

@@ -11,12 +11,17 @@ Here the search is exhaustive over a small grid and scored by the simulator
 scheduler) on the configuration's measured profile, network and layout:
 deterministic, and cheap enough that the bench runs it every time and
 records every candidate's predicted step time next to the choice.
+
+The peer is given its best too: tf-mwms's pack size (``bytes_per_pack``, the
+one ``CommunicationOptions`` knob that shapes its traffic) is chosen by
+measuring a run with each of :data:`TF_MWMS_PACK_BYTES` (:func:`choose_pack`).
 """
 from __future__ import annotations
 
 from prophet_tf.bench import simulate
 
-__all__ = ["PARTITION_BYTES", "CREDIT_PARTITIONS", "TOLERANCE", "tune_bytescheduler"]
+__all__ = ["PARTITION_BYTES", "CREDIT_PARTITIONS", "TOLERANCE", "tune_bytescheduler",
+           "TF_MWMS_PACK_BYTES", "choose_pack"]
 
 #: Partition sizes tried: 256 KB to BytePS's 4,096,000.
 PARTITION_BYTES = (256_000, 512_000, 1_024_000, 2_048_000, 4_096_000)
@@ -24,6 +29,13 @@ PARTITION_BYTES = (256_000, 512_000, 1_024_000, 2_048_000, 4_096_000)
 CREDIT_PARTITIONS = (1, 2, 4, 8)
 #: Predictions closer than this to the best are ties.
 TOLERANCE = 0.01
+#: tf-mwms's ``CommunicationOptions(bytes_per_pack)`` tried by measuring each
+#: (the simulator's ring model cannot rank them: with no latency every packing
+#: moves the same bytes): TensorFlow's default, 0 (one pack), and 1, 4, 16 MiB.
+TF_MWMS_PACK_BYTES = (0, 1 << 20, 4 << 20, 16 << 20)
+#: Measured runs closer than this to the fastest are ties, which go to the
+#: earliest in TF_MWMS_PACK_BYTES (TensorFlow's default first).
+PACK_TOLERANCE = 0.02
 
 
 def tune_bytescheduler(profile: dict, workers: int, num_ps: int, bandwidth_mbit: float | None,
@@ -54,3 +66,18 @@ def tune_bytescheduler(profile: dict, workers: int, num_ps: int, bandwidth_mbit:
     best = next(row for row in rows if row["predicted_step_time_s"] <= fastest * (1 + TOLERANCE))
     return {"partition_bytes": best["partition_bytes"],
             "credit_bytes": best["credit_bytes"]}, rows
+
+
+def choose_pack(rows: list[dict]) -> int:
+    """The ``bytes_per_pack`` of the fastest measured row (``{"bytes_per_pack",
+    "step_time_s"}``, in the order tried); rows within :data:`PACK_TOLERANCE` of
+    it are ties, won by the first.
+
+    Raises:
+      ValueError: no rows.
+    """
+    if not rows:
+        raise ValueError("no tf-mwms runs to choose a pack size from. Received: rows=[]")
+    fastest = min(row["step_time_s"] for row in rows)
+    return next(row["bytes_per_pack"] for row in rows
+                if row["step_time_s"] <= fastest * (1 + PACK_TOLERANCE))

@@ -50,7 +50,14 @@ def _parse(argv):
     parser.add_argument("--compute", choices=("real", "emulated"), default="real")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="emulated compute: the profile's times are multiplied by this")
+    parser.add_argument("--bytes-per-pack", type=int, default=0,
+                        help="tf-mwms: CommunicationOptions(bytes_per_pack) (default 0, "
+                             "TensorFlow's: one pack)")
     args = parser.parse_args(argv)
+    if args.bytes_per_pack < 0 or (args.bytes_per_pack and args.framework != "tf-mwms"):
+        parser.error(f"--bytes-per-pack is a byte count >= 0, for --framework tf-mwms. "
+                     f"Received: --bytes-per-pack={args.bytes_per_pack}, "
+                     f"--framework {args.framework}")
     if args.compute == "emulated" and args.framework == "local":
         parser.error("--framework local profiles real compute; emulated compute is the "
                      "profile itself. Received: --compute emulated")
@@ -135,7 +142,8 @@ def main(argv=None) -> int:
         import tf_keras
         tf_keras.utils.set_random_seed(0)
         options = tf.distribute.experimental.CommunicationOptions(
-            implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+            bytes_per_pack=args.bytes_per_pack)
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         with strategy.scope():
             model = build(tf_keras)

@@ -108,7 +108,10 @@ def _argv(suite: Suite, cell: dict, timeline_dir: str | None) -> list[str]:
             "--workers", str(cell["workers"]), "--bandwidth-mbit", repr(cell["bandwidth_mbit"]),
             "--steps", str(suite.steps), "--reps", str(suite.reps),
             "--global-batch", str(suite.per_worker_batch * cell["workers"]),
-            "--schedulers", suite.schedulers, "--compute-reps", "0"]
+            "--schedulers", suite.schedulers, "--compute-reps", "0",
+            # TensorFlow's default packing: the suites' committed cells ran it, a
+            # resumed suite stays comparable, and no cell pays four tuning runs.
+            "--tf-mwms-bytes-per-pack", "0"]
     if timeline_dir:
         argv += ["--timeline-dir", os.path.join(timeline_dir, cell_directory(cell))]
     return argv

@@ -297,7 +297,7 @@ def test_a_whole_variable_optimizer_is_refused_only_when_a_variable_is_split(mak
     request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
                                      optimizer_config=config(keras.optimizers.Lamb()))
     expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
-                 "'dense/kernel'", "is split into row ranges", "Received: optimizer=Lamb")
+                 "'dense/kernel'", "is split into element ranges", "Received: optimizer=Lamb")
     servicer = make_servicer(max_partition_bytes=1 << 20)
     register(servicer, 0, config(keras.optimizers.Lamb()))
 
@@ -342,7 +342,7 @@ def test_clipnorm_is_refused_only_when_a_variable_is_split(make_servicer):
                                      optimizer_config=config(keras.optimizers.SGD(0.1,
                                                                                   clipnorm=1.0)))
     expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
-                 "'dense/kernel'", "is split into row ranges", "Received: clipnorm=1.0")
+                 "'dense/kernel'", "is split into element ranges", "Received: clipnorm=1.0")
     servicer = make_servicer(max_partition_bytes=1 << 20)
     register(servicer, 0, config(keras.optimizers.SGD(0.1, clipnorm=1.0)))
 

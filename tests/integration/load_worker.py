@@ -38,7 +38,7 @@ from prophet_tf.ps import client as ps_client  # noqa: E402
 from prophet_tf.ps import sharding  # noqa: E402
 from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
 
-# name, shape; float32. The kernel is cut into row ranges over both PS tasks.
+# name, shape; float32. The kernel is cut into element ranges over both PS tasks.
 SHAPES = {0: ("dense/kernel", (64, 32)), 1: ("dense/bias", (32,)),
           2: ("out/kernel", (32, 10)), 3: ("out/bias", (10,)), 4: ("scale", ())}
 MAX_PARTITION_BYTES = 2048

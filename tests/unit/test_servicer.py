@@ -66,7 +66,7 @@ def expect_abort(call, request, code, *fragments, context=None):
     return context.details
 
 
-# A kernel split into 3 row ranges (limit 32 bytes = 2 rows of 4 float32), a
+# A kernel split into 3 element ranges (limit 32 bytes = 8 float32 elements), a
 # bias and a scalar, each one partition.
 SHAPES = {0: ("dense/kernel", (6, 4)), 1: ("dense/bias", (4,)), 2: ("scale", ())}
 LIMIT = 32
@@ -715,7 +715,7 @@ def adamw_without_bias_decay():
     # ranges; clipnorm with every variable whole (it is refused otherwise).
     lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipvalue=0.5),
     lambda: keras.optimizers.Adam(0.05, clipnorm=1.0),
-    # global_clipnorm: one norm over the split kernel's row ranges and the rest.
+    # global_clipnorm: one norm over the split kernel's element ranges and the rest.
     lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=1.0),
     # Every other built-in optimizer, on the split kernel where it is exact.
     lambda: keras.optimizers.SGD(0.1, momentum=0.5, weight_decay=0.01),
@@ -727,7 +727,7 @@ def adamw_without_bias_decay():
     lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01,
                                   l2_regularization_strength=0.02, beta=0.1),
     lambda: keras.optimizers.Lion(0.001, beta_1=0.8),
-    # Nadam's u_product advances once per step over the three row ranges.
+    # Nadam's u_product advances once per step over the three element ranges.
     lambda: keras.optimizers.Nadam(0.01),
     lambda: keras.optimizers.Nadam(lr_schedule(), weight_decay=0.01),
     # Norms or factored moments over each variable: every variable whole.

@@ -35,7 +35,7 @@ from test_servicer import Aborted, Context  # noqa: E402  (the servicer tests' c
 pytestmark = pytest.mark.timeout(180)
 
 W, LIMIT = 2, 32
-# float32 kernel split in 3 row ranges; one variable of each other dtype.
+# float32 kernel split in 3 element ranges; one variable of each other dtype.
 SHAPES = {0: ("dense/kernel", (6, 4), "float32"), 1: ("wide", (3,), "float64"),
           2: ("half", (4,), "float16"), 3: ("brain", (2, 2), "bfloat16")}
 DTYPES = {name: codec.to_numpy_dtype(name) for name in codec.SUPPORTED_DTYPES}

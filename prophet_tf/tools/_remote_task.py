@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -36,7 +37,8 @@ import tempfile
 import threading
 import time
 
-from prophet_tf import environment
+from prophet_tf import environment, progress
+from prophet_tf.tools import processes
 
 # A line of this process's output that starts with MARKER is for the launcher:
 # MARKER, then a JSON object ({"port": N} or {"status": {...}}), then a newline.
@@ -101,27 +103,21 @@ def _exited(pid: int) -> bool:
         return True
 
 
+class _Exited(Exception):
+    """CMD exited before it wrote its port."""
+
+
 def _report_port(path: str, pid: int, out: _Output) -> None:
     """Reports the port CMD (``pid``) writes to ``path``, once, while CMD lives."""
-    while not _exited(pid):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-            if text:
-                out.marker(port=int(text))
-                return
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(_POLL_S)
+    def alive():
+        if _exited(pid):
+            raise _Exited
 
-
-def _read_status(path: str) -> dict | None:
     try:
-        with open(path) as f:
-            status = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return status if isinstance(status, dict) else None
+        out.marker(port=processes.wait_for_port_file(path, math.inf, alive=alive,
+                                                     poll_s=_POLL_S))
+    except (_Exited, ValueError):
+        pass
 
 
 def _report_status(path: str, done: threading.Event, out: _Output) -> None:
@@ -129,7 +125,7 @@ def _report_status(path: str, done: threading.Event, out: _Output) -> None:
     last = None
     while True:
         finished = done.wait(_STATUS_POLL_S)
-        status = _read_status(path)
+        status = progress.read_status(path)
         if status is not None and status != last:
             out.marker(status=status)
             last = status

@@ -6,6 +6,7 @@ import statistics
 
 import pytest
 
+from simulate_helpers import toy_profile
 from prophet_tf.bench import ideal, simulate, simulate_flow_share, simulate_network
 from prophet_tf.ps import shaping
 from prophet_tf.engine import dispatch, schedulers
@@ -13,15 +14,8 @@ from prophet_tf.engine import dispatch, schedulers
 NAMES = list(schedulers.SCHEDULERS)
 
 
-def _profile(nbytes, forward, ready):
-    variables = [{"name": f"v{i}", "shape": [b // 4], "nbytes": b, "forward_s": f,
-                  "backward_ready_s": r} for i, (b, f, r) in enumerate(zip(nbytes, forward, ready))]
-    return {"model": "toy", "variables": variables, "forward_s": sum(forward),
-            "backward_s": max(ready), "compute_s": sum(forward) + max(ready)}
-
-
 # A small CNN-like model: small early layers with most compute, big late layers.
-TOY = _profile([40_000, 400_000, 4_000_000, 40_000], [0.02, 0.02, 0.005, 0.001],
+TOY = toy_profile([40_000, 400_000, 4_000_000, 40_000], [0.02, 0.02, 0.005, 0.001],
                [0.08, 0.05, 0.01, 0.002])
 
 
@@ -39,7 +33,7 @@ def test_infinite_bandwidth_gives_the_compute_time(name):
 def test_zero_compute_gives_bytes_over_bandwidth(name):
     # One 4 MB variable, W=1, P=1: the push, then the pull of the same bytes.
     nbytes = 4_000_000
-    r = simulate.simulate(_profile([nbytes], [0.0], [0.0]), name, workers=1, num_ps=1,
+    r = simulate.simulate(toy_profile([nbytes], [0.0], [0.0]), name, workers=1, num_ps=1,
                           bandwidth_mbit=80, rpc_overhead_s=0.0, framing=1.0)
     one_way = nbytes * 8 / 80e6
     partition = min(nbytes, schedulers.make_scheduler(name).partition_bytes or nbytes)
@@ -52,7 +46,7 @@ def test_zero_compute_gives_bytes_over_bandwidth(name):
 
 @pytest.mark.timeout(60)
 def test_ps_link_is_shared_by_the_workers():
-    p = _profile([4_000_000], [0.0], [0.0])
+    p = toy_profile([4_000_000], [0.0], [0.0])
     one = simulate.simulate(p, "fifo", 1, 1, 80, rpc_overhead_s=0.0)["step_time_s"]
     four = simulate.simulate(p, "fifo", 4, 1, 80, rpc_overhead_s=0.0)["step_time_s"]
     assert four == pytest.approx(4 * one, rel=1e-6)
@@ -181,7 +175,7 @@ def test_colocated_layout_halves_the_dedicated_ps_links_load():
     # both workers' bytes, a colocated host only the remote half of its pushes
     # plus its PS's answers to the other worker: one worker's link's bytes in
     # an all-reduce.
-    p = _profile([4_000_000], [0.0], [0.0])
+    p = toy_profile([4_000_000], [0.0], [0.0])
     dedicated = simulate.simulate(p, "p3", 2, 1, 80, rpc_overhead_s=0.0)
     colocated = simulate.simulate(p, "p3", 2, 2, 80, rpc_overhead_s=0.0, layout="colocated")
     assert colocated["step_time_s"] < 0.6 * dedicated["step_time_s"]
@@ -195,7 +189,7 @@ def test_pulls_take_each_partition_as_it_is_applied():
     # The first layer's gradient is ready last. With pulls in strict priority
     # order every other parameter would wait behind it; as-applied pulls let
     # the late layer's values come back while backprop still runs.
-    p = _profile([40_000, 4_000_000], [0.001, 0.001], [0.2, 0.001])
+    p = toy_profile([40_000, 4_000_000], [0.001, 0.001], [0.2, 0.001])
     r = simulate.simulate(p, "p3", 1, 1, 80, rpc_overhead_s=0.0, framing=1.0)
     pull_after_backprop = 0.002 + 0.2 + (40_000 + 4_000_000) * 8 / 80e6
     assert r["step_time_s"] < pull_after_backprop - 0.05
@@ -258,7 +252,7 @@ def test_per_message_and_per_byte_costs_are_paid_by_every_message():
     # One variable, one partition, unlimited links: a push and a pull, each
     # paying overhead + bytes x per_byte, in series after the compute.
     nbytes = 400_000
-    profile = _profile([nbytes], [0.0], [0.0])
+    profile = toy_profile([nbytes], [0.0], [0.0])
     r = simulate.simulate(profile, "fifo", workers=1, num_ps=1, bandwidth_mbit=None,
                           rpc_overhead_s=0.002, rpc_per_byte_s=1e-8)
     assert r["step_time_s"] == pytest.approx(2 * (0.002 + nbytes * 1e-8))

@@ -5,6 +5,7 @@ import pathlib
 
 import pytest
 
+from simulate_helpers import toy_profile
 from prophet_tf.bench import ideal, saved_profiles, simulate_cli, simulate_network, simulate_ring
 
 pytestmark = pytest.mark.timeout(60)
@@ -12,16 +13,9 @@ pytestmark = pytest.mark.timeout(60)
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _profile(nbytes, forward, ready):
-    variables = [{"name": f"v{i}", "shape": [b // 4], "nbytes": b, "forward_s": f,
-                  "backward_ready_s": r} for i, (b, f, r) in enumerate(zip(nbytes, forward, ready))]
-    return {"model": "toy", "variables": variables, "forward_s": sum(forward),
-            "backward_s": max(ready), "compute_s": sum(forward) + max(ready)}
-
-
 # Late layers big, early ones small; the first gradient (of the last variable) is
 # ready long before the last (of the first variable).
-TOY = _profile([48_000, 480_000, 4_800_000, 48_000], [0.02, 0.02, 0.005, 0.001],
+TOY = toy_profile([48_000, 480_000, 4_800_000, 48_000], [0.02, 0.02, 0.005, 0.001],
                [0.08, 0.05, 0.01, 0.002])
 MODEL_BYTES = sum(v["nbytes"] for v in TOY["variables"])
 
@@ -51,7 +45,7 @@ def test_step_time_grows_with_the_bytes_at_a_fixed_bandwidth():
                                         link_efficiency=1.0, framing=1.0)
         return r["step_time_s"] - profile["compute_s"]
 
-    scaled = [_profile([b * k for b in (48_000, 480_000, 4_800_000, 48_000)],
+    scaled = [toy_profile([b * k for b in (48_000, 480_000, 4_800_000, 48_000)],
                        [0.02, 0.02, 0.005, 0.001], [0.08, 0.05, 0.01, 0.002]) for k in (1, 2, 4)]
     times = [ring_s(p) for p in scaled]
     assert times[0] < times[1] < times[2]

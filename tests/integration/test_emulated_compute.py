@@ -101,7 +101,6 @@ def test_bench_runs_an_emulated_paper_model(tmp_path):
     # tf-mwms ran with the fastest pack size of those measured, each measured once.
     search = result["config"]["tf_mwms_search"]
     assert [r["bytes_per_pack"] for r in search] == list(tuning.TF_MWMS_PACK_BYTES)
-    assert all(r["step_time_s"] > 0 for r in search)
     assert result["config"]["tf_mwms"] == {"bytes_per_pack": tuning.choose_pack(search)}
 
 

@@ -324,7 +324,9 @@ def test_launcher_signalled_or_killed_leaves_nothing_on_any_host(hosts, tmp_path
     try:
         deadline = time.monotonic() + 120
         while not all(os.path.exists(f"{up}.{i}") for i in range(3)):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            assert proc.poll() is None, log.read_text()  # the launcher gave up
+            if time.monotonic() > deadline:  # a guard against a hang, not a measurement
+                pytest.fail("the 3 workers did not start within 120 s:\n" + log.read_text())
             time.sleep(0.1)
         # The workers run on their hosts: two on a (host 1), one on b (host 2).
         running = hosts.leftovers(timeout=0)

@@ -10,9 +10,10 @@ import pytest
 # process runs a long module alone at the end while the others are done (about 30 s of
 # make test's 10 minutes). A stale order costs time, never a result.
 LONGEST_FIRST = ("test_strategy.py", "test_tf_keras.py", "test_distributed_input.py",
-                 "test_resilience.py", "test_scheduling.py", "test_emulated_compute.py",
-                 "test_packaging.py", "test_mixed_precision.py", "test_examples.py",
-                 "test_fuzz.py", "test_doctor.py", "test_transport_security.py")
+                 "test_resilience.py", "test_scheduling.py", "test_examples.py",
+                 "test_keras_answers.py", "test_saved_models.py", "test_packaging.py",
+                 "test_mixed_precision.py", "test_fuzz.py", "test_doctor.py",
+                 "test_transport_security.py", "test_evaluator.py", "test_emulated_compute.py")
 
 
 def pytest_addoption(parser):

@@ -104,6 +104,9 @@ def test_bench_runs_an_emulated_paper_model(tmp_path):
     assert result["config"]["tf_mwms"] == {"bytes_per_pack": tuning.choose_pack(search)}
 
 
+# Three bench runs (about 90 s): a long variant, as `make test` must stay under 10 minutes;
+# test_bench_smoke.py runs a real-compute bench there.
+@pytest.mark.slow
 def test_the_smoke_suite_runs_fifo_prophet_and_tf_mwms_emulated_resumes_and_plots(tmp_path):
     """The emulated CNN under FIFO, Prophet and tf-mwms (one suite cell: `prophet-tf bench
     --compute emulated`), kept when the suite runs again, and plotted."""

@@ -133,8 +133,8 @@ def main():
           + " ".join(f"{v:.4f}" for v in history.history["val_loss"]), flush=True)
     if early.stopped_epoch:
         print(f"{who}: EarlyStopping stopped after epoch {early.stopped_epoch + 1}", flush=True)
-    # Whole test set, the same on every worker (each BatchNormalization keeps its
-    # worker's own moving statistics; evaluate sums what the workers count).
+    # Whole test set, the same on every worker (the BatchNormalization moving
+    # statistics are the workers' mean; evaluate sums what the workers count).
     _, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch, verbose=0)
     best = keras.models.load_model(checkpoint)  # A plain Keras model, no strategy needed.
     best_accuracy = float(np.mean(np.argmax(best(x_test), axis=-1) == y_test))

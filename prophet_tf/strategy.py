@@ -269,7 +269,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             return self.exchange.custom_step(run)
         if kind == "predict_step":
             return self.exchange.gather_rows(run())
-        return self.exchange.metrics_step(model, run)
+        return self.exchange.metrics_step(model, run, training=kind == "train_step")
 
     def _install_loss_scaling(self, optimizer) -> None:
         """A LossScaleOptimizer decides each step with all workers (loss_scaling.py)."""

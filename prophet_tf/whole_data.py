@@ -15,6 +15,9 @@ each Keras 3 train, test and predict step:
   shadow variable and puts it back before the next step's update; a metric
   that was reset (its value no longer the sum last written) starts again from
   that value.
+- train steps, also: the non-trainable floating-point variables the step
+  wrote (BatchNormalization's moving mean and variance) become their mean
+  over the workers, in the same gather round.
 - predict steps: the workers all-gather their rows of the batch and
   concatenate them in worker order, which is the batch's order (a worker's
   share is a contiguous block of rows).
@@ -161,9 +164,12 @@ class Exchange:
 
     # -- metrics --------------------------------------------------------------------------
 
-    def sum_over_workers(self, tensors: list) -> list:
-        """Each tensor summed over the workers (in float64, in worker order)."""
+    def sum_over_workers(self, tensors: list, averaged: list = ()) -> list:
+        """Each of ``tensors`` summed over the workers (in float64, in worker order), then
+        each of ``averaged`` divided by W (in float64: equal values stay what they were)."""
+        tensors = list(tensors) + list(averaged)
         flat = tf.concat([tf.reshape(tf.cast(t, tf.float64), [-1]) for t in tensors], 0)
+        summed_size = sum(int(np.prod(t.shape)) for t in tensors[:len(tensors) - len(averaged)])
 
         def run(x):
             mine = x.numpy()
@@ -173,9 +179,10 @@ class Exchange:
                 if theirs.shape != mine.shape:
                     raise ValueError(
                         f"Worker {worker} has {theirs.size} metric values, this worker "
-                        f"{mine.size}: every worker must compile the same metrics. "
+                        f"{mine.size}: every worker must build the same model and metrics. "
                         f"Received: {theirs.size} values from worker {worker}")
                 total += theirs
+            total[summed_size:] /= self.num_workers
             return total
 
         summed = tf.py_function(run, [flat], tf.float64)
@@ -237,28 +244,36 @@ class Exchange:
             self._write_sums(updated)
         return outputs
 
-    def _write_sums(self, variables) -> None:
-        """Each variable becomes its sum over the workers; this worker's own value is kept."""
+    def _write_sums(self, variables, averaged=()) -> None:
+        """Each of ``variables`` becomes its sum over the workers (this worker's own value
+        is kept), each of ``averaged`` its mean; one gather round for both."""
         mine = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-        summed = self.sum_over_workers(mine)
+        own_stats = [tf.identity(tf.convert_to_tensor(v)) for v in averaged]
+        summed = self.sum_over_workers(mine, own_stats)
         for variable, own, total in zip(variables, mine, summed):
             _, local, last = self._shadow(variable)
             local.assign(own)
             last.assign(total)
             variable.assign(total)
+        for variable, mean in zip(averaged, summed[len(mine):]):
+            variable.assign(mean)
 
-    def metrics_step(self, model, run):
-        """Runs a train or test step (``run()``) with whole-data metric results."""
+    def metrics_step(self, model, run, *, training: bool):
+        """Runs a train or test step (``run()``) with whole-data metric results; a train
+        step's moving statistics then hold their mean over the workers."""
         for variable in _metric_variables(model):
             _, local, last = self._shadow(variable)
             value = tf.convert_to_tensor(variable)
             # Still the sum last written: continue from this worker's own accumulation.
             variable.assign(tf.where(tf.equal(value, last), local, value))
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        start = None if graph is None else len(graph.get_operations())
         outputs = run()
         variables = _metric_variables(model)
-        if not variables:
+        averaged = _moving_statistics(model, variables, graph, start) if training else []
+        if not variables and not averaged:
             return outputs
-        self._write_sums(variables)
+        self._write_sums(variables, averaged)
         if isinstance(outputs, dict):
             results = model.get_metrics_result()
             outputs = {k: results.get(k, value) for k, value in outputs.items()}
@@ -314,3 +329,20 @@ def _updated_by(variable, ops, graph) -> bool:
 
 def _metric_variables(model) -> list:
     return [v for metric in model.metrics for v in metric.variables]
+
+
+def _moving_statistics(model, metric_variables, graph, start) -> list:
+    """The model's non-trainable floating-point variables that this train step wrote
+    (BatchNormalization's moving mean and variance): not a frozen layer's weights, not
+    a metric's. Eagerly every such variable counts (equal values average to themselves).
+
+    Their updates are linear in each batch's statistics, which do not depend on them
+    (training normalizes with the batch's own; renorm aside), so the mean after every
+    step is what MultiWorkerMirroredStrategy's on-read mean of per-worker values reads."""
+    metric_ids = {id(v) for v in metric_variables}
+    candidates = [v for v in model.non_trainable_variables
+                  if id(v) not in metric_ids and tf.as_dtype(v.dtype).is_floating]
+    if graph is None or not candidates:
+        return candidates
+    made = graph.get_operations()[start:]
+    return [v for v in candidates if _updated_by(v, made, graph)]

@@ -365,9 +365,11 @@ def misuse_case(run: Run, case: str) -> dict:
     return results[case]
 
 
-def assert_batchnorm_keeps_local_statistics(run: Run) -> list[np.ndarray]:
+def assert_batchnorm_averages_statistics(run: Run) -> None:
     """A BatchNorm model trains; trainable weights (gamma and beta included) come from the
-    PS, the moving statistics are each worker's own. Returns each worker's moving mean."""
+    PS, and after every train step the moving statistics are the mean of the workers' own
+    updates (MultiWorkerMirroredStrategy's on-read mean), so every worker ends with the
+    same statistics and evaluates, predicts and saves alike."""
     import keras_worker as kw
 
     config, workers = run.config, run.config["workers"]
@@ -384,28 +386,34 @@ def assert_batchnorm_keeps_local_statistics(run: Run) -> list[np.ndarray]:
     assert any("bn_in/gamma" in n for n in names), names
     for j, (a, b) in enumerate(zip(run.trainable(0), run.trainable(1))):
         np.testing.assert_array_equal(a, b, err_msg=f"trainable {names[j]}")
-    # The input BatchNorm's moving statistics: each worker's own shares, not averaged.
-    # momentum 0.9, starting from mean 0 and variance 1, every training step of every epoch.
+    # The input BatchNorm's moving statistics: momentum 0.9 from mean 0 and variance 1,
+    # each step's update the mean of the workers' (each normalizes its own share).
     global_batch = BATCH * workers
     x, _ = kw.make_data("bn", config["steps"] * global_batch)
-    means = []
-    for index in range(workers):
-        mean, var = np.zeros(kw.IN_DIM), np.ones(kw.IN_DIM)
-        for _ in range(config["epochs"]):
-            for step in range(config["steps"]):
-                batch = x[step * global_batch:(step + 1) * global_batch].astype(np.float64)
-                share = batch[BATCH * index:BATCH * (index + 1)]
-                mean = 0.9 * mean + 0.1 * share.mean(axis=0)
-                var = 0.9 * var + 0.1 * share.var(axis=0)
+    mean, var = np.zeros(kw.IN_DIM), np.ones(kw.IN_DIM)
+    for _ in range(config["epochs"]):
+        for step in range(config["steps"]):
+            batch = x[step * global_batch:(step + 1) * global_batch].astype(np.float64)
+            shares = [batch[BATCH * i:BATCH * (i + 1)] for i in range(workers)]
+            mean = 0.9 * mean + 0.1 * np.mean([s.mean(axis=0) for s in shares], axis=0)
+            var = 0.9 * var + 0.1 * np.mean([s.var(axis=0) for s in shares], axis=0)
+    first = run.npz(0)
+    np.testing.assert_allclose(first["bn_in.moving_mean"], mean, rtol=1e-5, atol=1e-6,
+                               err_msg="moving mean")
+    np.testing.assert_allclose(first["bn_in.moving_variance"], var, rtol=1e-5, atol=1e-6,
+                               err_msg="moving variance")
+    # Every worker holds the same statistics, of both BatchNorm layers, to the bit; so
+    # get_weights, predict and evaluate agree too.
+    for index in range(1, workers):
         arrays = run.npz(index)
-        np.testing.assert_allclose(arrays["bn_in.moving_mean"], mean, rtol=1e-4, atol=1e-5,
-                                   err_msg=f"worker {index}: moving mean")
-        np.testing.assert_allclose(arrays["bn_in.moving_variance"], var, rtol=1e-4, atol=1e-5,
-                                   err_msg=f"worker {index}: moving variance")
-        means.append(arrays["bn_in.moving_mean"])
+        for key in [k for k in first if ".moving_" in k] + ["predict"]:
+            np.testing.assert_array_equal(arrays[key], first[key], err_msg=f"worker {index}: {key}")
+        for j in range(run.info(0)["num_weights"]):
+            np.testing.assert_array_equal(arrays[f"w{j}"], first[f"w{j}"],
+                                          err_msg=f"worker {index}: get_weights()[{j}]")
+        assert run.info(index)["evaluate"] == run.info(0)["evaluate"]
     save = run.info(0)["save"]
     assert save.get("ok") and save["equal"], save
-    return means
 
 
 def assert_reads_see_latest_parameters(run: Run, expected: list[np.ndarray], *,

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from cluster import (KERAS_WORKER, STEPS, KerasClusters, WorkerProcesses,
-                     assert_batchnorm_keeps_local_statistics, assert_close,
+                     assert_batchnorm_averages_statistics, assert_close,
                      assert_reads_see_latest_parameters, misuse_case, steps_per_epoch)
 
 CLUSTER_TIMEOUT = 150.0  # whole launch, TensorFlow imports included, on a busy 2-core box
@@ -133,10 +133,10 @@ def test_learning_rate_callback_reaches_the_ps(runs):
 # -- 2. BatchNorm --------------------------------------------------------------------------
 
 @pytest.mark.timeout(CLUSTER_TIMEOUT + 60)
-def test_batchnorm_trains_and_keeps_local_statistics(runs):
+def test_batchnorm_trains_and_averages_its_statistics_over_workers(runs):
     run = runs("bn")
     run.check_ok()
-    assert_batchnorm_keeps_local_statistics(run)
+    assert_batchnorm_averages_statistics(run)
 
 
 # -- 3. reads after fit ----------------------------------------------------------------------

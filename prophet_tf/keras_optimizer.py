@@ -25,7 +25,8 @@ the workers keep variables up to ``max_partition_bytes`` whole
 
 ``global_clipnorm`` needs one norm over every partition's summed gradient: the
 PS's optimizer is rebuilt without it and :mod:`prophet_tf.ps.clipping` scales
-each step's sums once all are complete (one PS task only).
+each step's sums once all are complete and the PS tasks agree on the norm
+(:mod:`prophet_tf.ps.norm_sharing`).
 
 This module imports neither TensorFlow nor Keras at import time; Keras is
 imported inside the functions that need it.

@@ -128,7 +128,7 @@ class PSClient:
     def register(self, variables: Sequence, optimizer_config: str,
                  initial_values: Mapping[int, np.ndarray] | None = None, *,
                  max_partition_bytes: int = sharding.DEFAULT_MAX_PARTITION_BYTES,
-                 resume_step: int = 0,
+                 resume_step: int = 0, ps0_address: str = "",
                  timeout: float | None = None) -> ps_pb2.RegisterResponse:
         """Declares the model; worker 0 also sends this PS's initial values.
 
@@ -143,6 +143,8 @@ class PSClient:
                 partitions are checked against the same plan.
             resume_step: iterations this worker's own state has trained (restored
                 from a backup); 0 for a fresh start.
+            ps0_address: PS task 0's ``host:port`` as this worker dials it (the
+                PS tasks agree on global_clipnorm's norm there).
             timeout: seconds per call.
 
         Returns:
@@ -157,7 +159,8 @@ class PSClient:
         variables = list(variables)
         request = dict(worker_id=self.worker_id, num_workers=self.num_workers,
                        variables=variables, optimizer_config=optimizer_config,
-                       max_partition_bytes=max_partition_bytes, resume_step=resume_step)
+                       max_partition_bytes=max_partition_bytes, resume_step=resume_step,
+                       ps0_address=ps0_address)
         response = self._register(ps_pb2.RegisterRequest(**request), timeout=timeout)
         spread = not optimizer_policy.needs_whole_variables(
             optimizer_policy.parse_config(optimizer_config))
@@ -294,6 +297,7 @@ def register_all(clients: Sequence[PSClient], *args, **kwargs) -> list[ps_pb2.Re
     Raises:
         The first client's (in order) exception, once every call has ended.
     """
+    kwargs.setdefault("ps0_address", clients[0].address)  # the clients are in task order
     with futures.ThreadPoolExecutor(len(clients), thread_name_prefix="prophet-tf-register") as pool:
         calls = [pool.submit(client.register, *args, **kwargs) for client in clients]
     return [call.result() for call in calls]

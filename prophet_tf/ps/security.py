@@ -249,6 +249,21 @@ def client_security(env: Mapping[str, str] | None = None) -> ClientSecurity:
     return ClientSecurity(load_token(env), load_client_tls(env))
 
 
+def peer_security(token: Token | None, server_tls: ServerTLS | None,
+                  env: Mapping[str, str] | None = None) -> ClientSecurity:
+    """How a PS task reaches another (PS task 0, ``norm_sharing.py``): its own token; with
+    TLS, the CA of ``PROPHET_TF_TLS_CA`` when set, else its own certificate (every PS
+    task serving the same one, as the launcher's).
+
+    Raises:
+        SecurityError: see :func:`load_client_tls`.
+    """
+    tls = load_client_tls(env) if server_tls is not None else None
+    if server_tls is not None and tls is None:
+        tls = ClientTLS(server_tls.cert_path, server_tls.cert)
+    return ClientSecurity(token, tls)
+
+
 # -- client side ----------------------------------------------------------------------------
 
 

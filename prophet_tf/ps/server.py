@@ -110,6 +110,10 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
             servicer.Verdict,
             request_deserializer=protocol.tolerant_parser(ps_pb2.GatherRequest),
             response_serializer=ps_pb2.GatherResponse.SerializeToString),
+        "ShareNorm": grpc.unary_unary_rpc_method_handler(
+            servicer.ShareNorm,
+            request_deserializer=protocol.tolerant_parser(ps_pb2.GatherRequest),
+            response_serializer=ps_pb2.GatherResponse.SerializeToString),
         "ReadOptimizerState": grpc.unary_stream_rpc_method_handler(
             servicer.ReadOptimizerState,
             request_deserializer=protocol.tolerant_parser(ps_pb2.OptimizerStateRequest),
@@ -280,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         num_workers, ps_index, num_ps, host, port = _task_from_args(args)
         token = security.load_token(token_file=args.token_file)
         tls = security.load_server_tls(args.tls_cert, args.tls_key)
+        peers = security.peer_security(token, tls)
         _check_exposure(args, host, token)
     except ValueError as e:
         print(f"prophet-tf ps: {e}", file=sys.stderr)
@@ -309,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         max_chunk_bytes=protocol.MAX_CHUNK_BYTES,
         worker_timeout_s=args.worker_timeout,
         startup_timeout_s=args.worker_startup_timeout, checkpoint=checkpoint_policy,
-        on_failure=lambda _message: failed.set(), trace=trace)
+        on_failure=lambda _message: failed.set(), trace=trace, peer_security=peers)
     try:
         server, bound = create_server(f"{host}:{port}", servicer, token=token, tls=tls)
     except RuntimeError as e:

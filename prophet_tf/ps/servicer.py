@@ -13,7 +13,8 @@ It owns the locking and wires the concerns together, each in its module:
   workers' verdicts say;
 * ``apply.py``: the optimizer apply thread;
 * ``clipping.py``: ``global_clipnorm``, a step's sums held until its one norm
-  is known;
+  is known; ``norm_sharing.py``: with several PS tasks, that norm agreed
+  through PS task 0 (ShareNorm);
 * ``liveness.py``: heartbeats and the watchdog;
 * ``keras_rpcs.py``: what Keras needs besides training (Gather for
   whole-data metrics and predictions, the optimizer state of saved models);
@@ -38,9 +39,10 @@ from typing import Callable
 
 import grpc
 
-from prophet_tf.ps import (aggregation, apply, clipping, gather, liveness, protocol,
-                           registration, sharding, verdicts)
+from prophet_tf.ps import (aggregation, apply, gather, liveness, protocol, registration,
+                           security, sharding, verdicts)
 from prophet_tf.ps.keras_rpcs import KerasRPCs
+from prophet_tf.ps.norm_sharing import NormRPCs
 from prophet_tf.ps.pulls import PullRPCs
 from prophet_tf.ps import checkpoint as checkpoint_lib
 from prophet_tf.ps import trace as trace_lib
@@ -51,7 +53,7 @@ __all__ = ["ParameterServerServicer"]
 
 logger = logging.getLogger(__name__)
 
-class ParameterServerServicer(KerasRPCs, PullRPCs):
+class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs):
     """Implements the ``prophet_tf.ps.v1.ParameterServer`` methods.
 
     Args:
@@ -74,6 +76,8 @@ class ParameterServerServicer(KerasRPCs, PullRPCs):
             job fails (a lost worker, a model conflict).
         trace: where to record when each partition's sum completed, was
             applied and answered (``trace.py``); None: not recorded.
+        peer_security: how this task reaches PS task 0 (``global_clipnorm`` on
+            several tasks, ``norm_sharing.py``); None: the environment's.
     """
 
     def __init__(self, num_workers: int, ps_index: int = 0, num_ps: int = 1,
@@ -82,7 +86,8 @@ class ParameterServerServicer(KerasRPCs, PullRPCs):
                  startup_timeout_s: float = 300.0,
                  checkpoint: checkpoint_lib.CheckpointPolicy | None = None,
                  on_failure: Callable[[str], None] | None = None,
-                 trace: trace_lib.PSTrace | None = None):
+                 trace: trace_lib.PSTrace | None = None,
+                 peer_security: security.ClientSecurity | None = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1. Received: num_workers={num_workers}")
         if not 0 <= ps_index < num_ps:
@@ -137,7 +142,7 @@ class ParameterServerServicer(KerasRPCs, PullRPCs):
             num_workers, self._round_failure, what="verdict of step",
             same_calls="a worker sends one verdict per step")
         self._verdicts = verdicts.Verdicts()
-        self._global_norm: clipping.GlobalNorm | None = None  # global_clipnorm's hold
+        self._init_norms(peer_security)  # global_clipnorm's (norm_sharing.py)
 
     # ------------------------------------------------------------------ RPCs
 
@@ -229,8 +234,8 @@ class ParameterServerServicer(KerasRPCs, PullRPCs):
     def _install_model(self, model):
         self._model, self._parts = model, model.parts
         self._applier.optimizer = model.optimizer
-        self._global_norm = (clipping.GlobalNorm(model.global_clipnorm, len(model.parts))
-                             if model.global_clipnorm else None)
+        if model.global_clipnorm:
+            self._install_global_norm(model)
         logger.info("Model defined: %d variables, %d partitions on PS %d (%d bytes), "
                     "optimizer %s", len(model.specs), len(self._parts), self.ps_index,
                     sum(p.plan.nbytes for p in self._parts.values()),
@@ -369,10 +374,17 @@ class ParameterServerServicer(KerasRPCs, PullRPCs):
             threading.Thread(target=self._on_failure, args=(message,), daemon=True,
                              name="prophet-tf-ps-on-failure").start()
 
+    def _fail_job(self, message: str) -> None:
+        with self._lock:
+            if not self._failure:
+                self._fail_job_locked(message)
+
     def _notify_all_locked(self) -> None:
         self._published.notify_all()
         self._gatherer.wake()
         self._verdict_rounds.wake()
+        if self._norm_rounds is not None:
+            self._norm_rounds.wake()
 
     # ----------------------------------------------------------- checkpoints
 
@@ -423,6 +435,8 @@ class ParameterServerServicer(KerasRPCs, PullRPCs):
         if not self._closed:
             self._closed = True
             self._liveness.stop()
+            if self._norm_sharing is not None:
+                self._norm_sharing.close()
             self._applier.close()
             if self._checkpointer:
                 self._checkpointer.close()

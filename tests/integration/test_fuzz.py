@@ -73,7 +73,7 @@ BY_ID = {(p.key, p.partition): p for p in PLAN}
 REQUESTS = {"Register": ps_pb2.RegisterRequest, "Push": ps_pb2.PushRequest,
             "Pull": ps_pb2.PullRequest, "Heartbeat": ps_pb2.HeartbeatRequest,
             "Owed": ps_pb2.OwedRequest, "Gather": ps_pb2.GatherRequest,
-            "Verdict": ps_pb2.GatherRequest}
+            "Verdict": ps_pb2.GatherRequest, "ShareNorm": ps_pb2.GatherRequest}
 METHODS = tuple(REQUESTS)
 GATHER_ROUNDS = 4  # the fuzz's Gathers name these rounds; real rounds use them after it
 SGD1 = json.dumps({"module": "keras.optimizers", "class_name": "SGD",
@@ -269,6 +269,8 @@ def possibly_valid(method, payload, state) -> bool | str:
         return 0 <= message.worker_id < W and message.round >= 0
     if method == "Verdict":  # the fuzz's model does not scale the loss: every verdict is refused
         return False
+    if method == "ShareNorm":  # nor clip by a global norm: every norm share is refused
+        return False
     # Register: anything that could pass the PS's own checks.
     if message.num_workers != W or not 0 <= message.worker_id < W:
         return False
@@ -349,6 +351,7 @@ class Fuzzer:
             "Gather": lambda: gather_bytes(r.randrange(W), r.randrange(GATHER_ROUNDS),
                                            r.randbytes(r.randint(0, 8))),
             "Verdict": lambda: gather_bytes(r.randrange(W), v, b"\x01"),
+            "ShareNorm": lambda: gather_bytes(r.randrange(NUM_PS), v, r.randbytes(8)),
         }[method]()
         data = bytearray(template)
         for _ in range(r.randint(1, 4)):

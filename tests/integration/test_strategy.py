@@ -8,7 +8,7 @@ process, from the same model/data/optimizer code.
 A cluster is started once per configuration and shared by the tests that look
 at it (clusters are the expensive part: each task imports TensorFlow):
 
-  sgd       2 workers, 1 PS, MLP, numpy arrays, global_clipnorm
+  sgd       2 workers, 2 PS, MLP, numpy arrays, global_clipnorm (one norm agreed by both)
   momentum  2 workers, 1 PS, MLP, tf.data.Dataset, clipnorm, gradient_accumulation_steps=2,
             LearningRateScheduler over 3 epochs of 3 steps
   rounds    2 workers, 2 PS, CNN, keras.utils.PyDataset (variables on both PS tasks), Adam
@@ -37,7 +37,8 @@ CLUSTER_TIMEOUT = 150.0  # whole launch, TensorFlow imports included, on a busy 
 WATCHDOG = 90.0  # a worker prints its stacks and exits after this long
 
 CONFIGS = {
-    "sgd": dict(workers=2, ps=1, optimizer="sgd+global_clipnorm", model="mlp", data="numpy"),
+    # global_clipnorm on 2 PS tasks: they agree on each step's norm through task 0.
+    "sgd": dict(workers=2, ps=2, optimizer="sgd+global_clipnorm", model="mlp", data="numpy"),
     # Clipping rides on these: the PS clips the summed gradient. A learning rate set by
     # a callback on the workers, and gradient accumulation (the PS's), ride on momentum.
     "momentum": dict(workers=2, ps=1, optimizer="momentum+clipnorm_accumulate", model="mlp",

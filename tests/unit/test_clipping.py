@@ -48,8 +48,10 @@ def test_bad_arguments_are_named(clip, num_parts):
         clipping.GlobalNorm(clip, num_parts)
 
 
-def test_several_ps_tasks_are_refused_naming_the_option_and_tasks():
-    clipping.check_placement(None, 3)
-    clipping.check_placement(1.0, 1)
-    with pytest.raises(ValueError, match=r"Received: global_clipnorm=1\.0, num_ps=2"):
-        clipping.check_placement(1.0, 2)
+def test_several_ps_tasks_need_task_0s_address():
+    clipping.check_placement(None, 3, "")
+    clipping.check_placement(1.0, 1, "")
+    clipping.check_placement(1.0, 2, "localhost:1234")
+    with pytest.raises(ValueError, match=r"Received: global_clipnorm=1\.0, num_ps=2, "
+                                         r"ps0_address=''"):
+        clipping.check_placement(1.0, 2, "")

@@ -302,16 +302,6 @@ def test_a_whole_variable_optimizer_is_refused_only_when_a_variable_is_split(mak
     register(servicer, 0, config(keras.optimizers.Lamb()))
 
 
-def test_global_clipnorm_is_refused_on_several_ps_tasks(make_servicer):
-    """Their partitions' norms would need an agreement between the PS tasks."""
-    servicer = make_servicer(ps_index=1, num_ps=2)
-    cfg = config(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
-    request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
-                                     optimizer_config=cfg)
-    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
-                 "global_clipnorm", "Received: global_clipnorm=1.0, num_ps=2")
-
-
 def test_global_clipnorm_holds_a_step_until_every_partition_has_its_sum(make_servicer):
     servicer = make_servicer()
     values = initial(1)

@@ -132,6 +132,9 @@ def _parse(argv):
     parser.add_argument("--tf-mwms-bytes-per-pack", type=int, default=None, metavar="N",
                         help="tf-mwms's CommunicationOptions(bytes_per_pack); default: "
                              "the fastest of 0, 1, 4 and 16 MiB, one measured run each")
+    parser.add_argument("--global-clipnorm", type=float, default=None, metavar="X",
+                        help="every run's SGD clips by the global norm X (default: no "
+                             "clipping): what clipping costs, against a run without")
     parser.add_argument("--compute-reps", type=int, default=2,
                         help="compute-only runs (first reps); 0 = the profile's compute time")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -175,6 +178,9 @@ def _parse(argv):
                      f">= 0. Received: --workers={args.workers}, --ps={args.ps}, "
                      f"--reps={args.reps}, --bandwidth-mbit={args.bandwidth_mbit}, "
                      f"--latency-ms={args.latency_ms}")
+    if args.global_clipnorm is not None and not args.global_clipnorm > 0:
+        parser.error(f"--global-clipnorm must be > 0. "
+                     f"Received: --global-clipnorm={args.global_clipnorm}")
     if args.tf_mwms_bytes_per_pack is not None and args.tf_mwms_bytes_per_pack < 0:
         parser.error(f"--tf-mwms-bytes-per-pack must be >= 0. "
                      f"Received: --tf-mwms-bytes-per-pack={args.tf_mwms_bytes_per_pack}")

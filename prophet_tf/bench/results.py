@@ -96,6 +96,7 @@ def bench_result(args, names: list[str], runs: dict[str, list[dict]], profile: d
               "link_latency_ms": latency_ms,
               "steps": args.steps, "warmup_steps": WARMUP_STEPS, "reps": args.reps,
               "global_batch": args.global_batch, "schedulers": names, "shaping": shaping,
+              "global_clipnorm": getattr(args, "global_clipnorm", None),
               # The workers inherit the bench's environment (runs A/B it with "0").
               "answers_first": os.environ.get(engine_lib.ANSWERS_FIRST_ENV, "1") != "0",
               "num_params": profile["num_params"], "model_bytes": profile["trainable_bytes"],

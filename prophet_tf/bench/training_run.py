@@ -155,6 +155,8 @@ def worker_argv(framework: str, args, out: str, options: dict | None = None) -> 
             str(args.global_batch), "--out", out]
     if args.compute == "emulated":
         argv += ["--compute", "emulated", "--scale", repr(args.scale)]
+    if getattr(args, "global_clipnorm", None):
+        argv += ["--global-clipnorm", repr(args.global_clipnorm)]
     if framework == "tf-mwms" and options:
         argv += ["--bytes-per-pack", str(int(options["bytes_per_pack"]))]
     return argv

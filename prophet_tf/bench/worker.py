@@ -50,6 +50,8 @@ def _parse(argv):
     parser.add_argument("--compute", choices=("real", "emulated"), default="real")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="emulated compute: the profile's times are multiplied by this")
+    parser.add_argument("--global-clipnorm", type=float, default=None,
+                        help="the SGD's global_clipnorm (default: none)")
     parser.add_argument("--bytes-per-pack", type=int, default=0,
                         help="tf-mwms: CommunicationOptions(bytes_per_pack) (default 0, "
                              "TensorFlow's: one pack)")
@@ -118,8 +120,8 @@ def main(argv=None) -> int:
         scheduler = strategy.scheduler
         with strategy.scope():
             model = build(keras)
-            model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                          loss=loss(keras))
+            model.compile(optimizer=keras.optimizers.SGD(
+                0.01, momentum=0.9, global_clipnorm=args.global_clipnorm), loss=loss(keras))
         timer = _timer_callback(keras.callbacks.Callback)
         model.fit(x, y, batch_size=args.global_batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=[timer])
@@ -147,8 +149,8 @@ def main(argv=None) -> int:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         with strategy.scope():
             model = build(tf_keras)
-            model.compile(optimizer=tf_keras.optimizers.SGD(0.01, momentum=0.9),
-                          loss=loss(tf_keras))
+            model.compile(optimizer=tf_keras.optimizers.SGD(
+                0.01, momentum=0.9, global_clipnorm=args.global_clipnorm), loss=loss(tf_keras))
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
         data_options = tf.data.Options()
         data_options.experimental_distribute.auto_shard_policy = \

@@ -43,3 +43,17 @@ def test_the_bench_refuses_a_negative_pack_size(capsys):
         bench_cli._parse(["--tf-mwms-bytes-per-pack", "-5"])
     assert "--tf-mwms-bytes-per-pack=-5" in capsys.readouterr().err
     assert bench_cli._parse([]).tf_mwms_bytes_per_pack is None
+
+
+def test_global_clipnorm_reaches_every_framework_s_workers(capsys):
+    args = types.SimpleNamespace(model="cnn", steps=30, global_batch=64, compute="real",
+                                 global_clipnorm=1.5)
+    for framework in ("prophet", "tf-mwms"):
+        argv = training_run.worker_argv(framework, args, "out.json")
+        parsed = worker._parse(argv[argv.index("--framework"):])
+        assert parsed.global_clipnorm == 1.5
+    args.global_clipnorm = None
+    assert "--global-clipnorm" not in training_run.worker_argv("prophet", args, "out.json")
+    with pytest.raises(SystemExit):
+        bench_cli._parse(["--global-clipnorm", "0"])
+    assert "--global-clipnorm=0.0" in capsys.readouterr().err

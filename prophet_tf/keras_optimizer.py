@@ -18,15 +18,14 @@ inside its ``optimizer.apply`` of each partition. ``gradient_accumulation_steps`
 likewise: the worker's optimizer hands the strategy every step's gradient, and
 the PS's accumulates the sums (:mod:`prophet_tf.ps.accumulation`).
 
-``clipvalue`` is element-wise, so exact on any partitioning; ``clipnorm`` takes
-one variable's norm, so it is exact while no variable is split into element ranges:
-the workers keep variables up to ``max_partition_bytes`` whole
-(``needs_whole_variables``) and the PS refuses a split one (``check_partitioning``).
-
-``global_clipnorm`` needs one norm over every partition's summed gradient: the
-PS's optimizer is rebuilt without it and :mod:`prophet_tf.ps.clipping` scales
-each step's sums once all are complete and the PS tasks agree on the norm
-(:mod:`prophet_tf.ps.norm_sharing`).
+``clipvalue`` is element-wise, so exact on any partitioning. ``clipnorm`` (one
+variable's norm) and ``global_clipnorm`` (one over all) need norms over several
+partitions: the PS's optimizer is rebuilt without them and
+:mod:`prophet_tf.ps.clipping` scales each step's sums once a norm's partitions are
+complete and the PS tasks agree on it (:mod:`prophet_tf.ps.norm_sharing`). With
+gradient accumulation Keras clips the accumulated average inside ``apply``, so
+``clipnorm`` stays in the PS's optimizer and the workers keep variables whole
+(``needs_whole_variables``; the PS refuses a split one, ``check_partitioning``).
 
 This module imports neither TensorFlow nor Keras at import time; Keras is
 imported inside the functions that need it.
@@ -39,7 +38,7 @@ from typing import Sequence
 from prophet_tf import _keras_compat
 from prophet_tf.optimizer_policy import (ACCUMULATION, CLIPPING_OPTIONS, LOSS_SCALING_KEY,
                                          MAX_ECHO_CHARS, NO_WEIGHT_DECAY_KEY, check_builtin,
-                                         check_optimizer, check_options)
+                                         check_optimizer, check_options, clipnorm_on_the_ps)
 
 __all__ = ["config_json", "rebuild", "clips", "leave_to_the_ps", "left_to_the_ps",
            "clip_on_the_ps", "check_worker_optimizer", "steps_taken"]
@@ -118,6 +117,8 @@ def rebuild(config: dict):
         # Applied per partition it would take each partition's norm for the
         # step's: prophet_tf.ps.clipping scales the sums before the apply.
         config["config"].pop("global_clipnorm", None)
+        if clipnorm_on_the_ps(config):  # likewise, one norm per variable
+            config["config"].pop("clipnorm", None)
     try:
         optimizer = keras.optimizers.deserialize(json.loads(json.dumps(config)))
         if not isinstance(optimizer, keras.optimizers.Optimizer):

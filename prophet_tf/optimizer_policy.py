@@ -39,7 +39,8 @@ __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARI
            "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "UNSUPPORTED_OPTIMIZERS",
            "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "ACCUMULATION", "MAX_ECHO_CHARS",
            "check_optimizer", "check_builtin", "check_options", "needs_whole_variables", "check_partitioning",
-           "parse_config", "comparable", "global_clipnorm", "loss_scaling"]
+           "parse_config", "comparable", "global_clipnorm", "clipnorm_on_the_ps",
+           "loss_scaling"]
 
 #: Optional top-level key of the optimizer JSON: the variable keys the worker's
 #: optimizer exempts from weight decay (``exclude_from_weight_decay`` is not
@@ -160,10 +161,25 @@ def check_options(config: dict) -> None:
 
 def needs_whole_variables(config: dict) -> bool:
     """Whether a parsed config's update reads each variable whole: a
-    :data:`WHOLE_VARIABLE` optimizer, or ``clipnorm`` (one variable's norm).
+    :data:`WHOLE_VARIABLE` optimizer, or ``clipnorm`` with gradient accumulation
+    (Keras clips the accumulated average inside ``apply``; without accumulation
+    the PS clips each step's sums itself, :func:`clipnorm_on_the_ps`).
     The workers then split only variables larger than ``max_partition_bytes``
     instead of spreading every large one over the PS tasks."""
-    return config.get("class_name") in WHOLE_VARIABLE or bool(_options(config).get("clipnorm"))
+    options = _options(config)
+    return config.get("class_name") in WHOLE_VARIABLE or bool(
+        options.get("clipnorm") and options.get(ACCUMULATION))
+
+
+def clipnorm_on_the_ps(config: dict) -> float | None:
+    """The ``clipnorm`` the PS applies to each step's summed gradients itself, one norm
+    per variable over all its partitions (``prophet_tf.ps.clipping``): set and without
+    gradient accumulation; else None (not set, or Keras' own ``apply`` clips)."""
+    options = _options(config)
+    value = options.get("clipnorm")
+    if not value or options.get(ACCUMULATION):
+        return None
+    return float(value)
 
 
 def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,
@@ -180,14 +196,16 @@ def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,
         ValueError: ``kind`` is in :data:`WHOLE_VARIABLE`, or ``config`` sets
             ``clipnorm``, and ``split`` is not empty.
     """
-    clipnorm = _options(config or {}).get("clipnorm")
-    if split and clipnorm:
+    options = _options(config or {})
+    clipnorm = options.get("clipnorm")
+    if split and clipnorm and options.get(ACCUMULATION):
         raise ValueError(
-            f"clipnorm clips each variable by the norm of its whole summed gradient but "
-            f"variable {split[0].key} ({split[0].name!r}) is split into element ranges, "
-            f"applied one at a time (it is larger than max_partition_bytes="
-            f"{max_partition_bytes}). Use clipvalue, or a max_partition_bytes that keeps "
-            f"every variable whole. Received: clipnorm={clipnorm!r}")
+            f"clipnorm with {ACCUMULATION} clips each variable's accumulated gradient "
+            f"whole but variable {split[0].key} ({split[0].name!r}) is split into element "
+            f"ranges, applied one at a time (it is larger than max_partition_bytes="
+            f"{max_partition_bytes}). Use clipvalue, no accumulation, or a "
+            f"max_partition_bytes that keeps every variable whole. Received: "
+            f"clipnorm={clipnorm!r}, {ACCUMULATION}={options[ACCUMULATION]!r}")
     if split and kind in WHOLE_VARIABLE:
         raise ValueError(
             f"optimizer={kind} needs whole variables but variable {split[0].key} "

@@ -1,22 +1,29 @@
-"""``global_clipnorm`` on the PS: one norm over every partition's summed gradient.
+"""Clipping by norms on the PS: ``global_clipnorm`` and ``clipnorm``, as Keras clips
+the whole summed gradient.
 
-Single-process Keras (``keras/src/optimizers/base_optimizer.py``,
-``clip_by_global_norm``) scales every gradient of a step by
+Single-process Keras (``keras/src/optimizers/base_optimizer.py``) scales a step's
+gradients, with ``norm`` the square root of a sum of squared entries (float32):
 
-    scale = clip * minimum(1 / norm, 1 / clip) + (norm - norm)
+- ``global_clipnorm`` (``clip_by_global_norm``), one norm over all gradients:
+  every gradient times ``clip * minimum(1 / norm, 1 / clip) + (norm - norm)``
+  (the ``norm - norm`` term makes a non-finite norm give a NaN scale);
+- ``clipnorm`` (``_clip_by_norm``), one norm per variable: its gradient times
+  ``clip``, divided by ``maximum(norm, clip)`` (a norm of 0 stays 0).
 
-with ``norm`` the square root of the sum of all gradients' squared entries
-(float32; the ``norm - norm`` term makes a non-finite norm give a NaN scale).
 The PS's optimizer is rebuilt without the option (its ``apply`` sees one
-partition, whose norm is not the step's), and :class:`GlobalNorm` holds each
-complete sum of a step until every partition of the step has its sum, then
-hands them all on, scaled by that step's one factor. The squared norms are
-added in float64, so the result differs from Keras' float32 reduction by
-rounding only.
+partition, whose norm is not the variable's or the step's), and
+:class:`NormHold` holds each complete sum of a step until every partition of
+its group (global: all of them; clipnorm: its variable's) has its sum here,
+then hands them on, scaled. The squared entries are added in float64, so the
+result differs from Keras' float32 reduction by rounding only.
 
-With several PS tasks, each adds its own partitions' squared entries and the
-tasks agree on the step's total through PS task 0 (``norm_sharing.py``);
-the held sums are released once the total is back.
+A group with partitions on several PS tasks waits for the others' sums: once
+this task has all its partitions of such groups for a step, it sends their
+sums (one float64 per shared group) to the other tasks and releases them with
+the totals (``norm_sharing.py``). ``clipnorm`` with
+``gradient_accumulation_steps`` clips the accumulated average inside Keras'
+own ``apply``; the workers keep variables whole for it
+(``optimizer_policy.needs_whole_variables``).
 """
 
 from __future__ import annotations
@@ -26,22 +33,32 @@ import threading
 
 import numpy as np
 
-__all__ = ["GlobalNorm", "check_placement", "scale"]
+__all__ = ["NormHold", "check_placement", "scale", "clip_by_norm_factor", "shared_groups"]
 
 
-def check_placement(global_clipnorm: float | None, num_ps: int, ps0_address: str) -> None:
-    """Refuses ``global_clipnorm`` on several PS tasks when the workers did not say
-    where PS task 0 is (the tasks agree on the norm there).
+def shared_groups(partitions, per_variable: bool) -> tuple[tuple, list]:
+    """``(groups, tasks)``: the norm groups (variable keys for ``clipnorm``, 0 for
+    ``global_clipnorm``) with partitions on several PS tasks, sorted, and the PS tasks
+    that own a partition of one (who share norms each step), sorted."""
+    owners: dict = {}
+    for p in partitions:
+        owners.setdefault(p.key if per_variable else 0, set()).add(p.ps_index)
+    shared = tuple(sorted(g for g, tasks in owners.items() if len(tasks) > 1))
+    return shared, sorted({t for g in shared for t in owners[g]})
+
+
+def check_placement(shared: bool, num_ps: int, ps0_address: str, option: str) -> None:
+    """Refuses clipping whose norms span PS tasks when the workers did not say where PS
+    task 0 is (the tasks agree on the norms there).
 
     Raises:
         ValueError: names the option, the number of PS tasks and the missing address.
     """
-    if global_clipnorm and num_ps > 1 and not ps0_address:
+    if shared and not ps0_address:
         raise ValueError(
-            "global_clipnorm on several PS tasks needs PS task 0's address, where the tasks "
-            "agree on each step's norm, and the workers' Register did not carry it (a "
-            "client older than this PS?). Received: global_clipnorm="
-            f"{global_clipnorm!r}, num_ps={num_ps}, ps0_address=''")
+            "Norms over partitions on several PS tasks need PS task 0's address, where the "
+            "tasks agree on them, and the workers' Register did not carry it (a client "
+            f"older than this PS?). Received: {option}, num_ps={num_ps}, ps0_address=''")
 
 
 def scale(squared_norm: float, clip: float) -> np.float32:
@@ -53,63 +70,104 @@ def scale(squared_norm: float, clip: float) -> np.float32:
         return c * np.minimum(np.float32(1) / norm, np.float32(1) / c) + (norm - norm)
 
 
-class GlobalNorm:
-    """Holds a step's complete sums until all ``num_parts`` have theirs, and the
-    step's norm is known.
+def clip_by_norm_factor(squared_norm: float, clip: float):
+    """``(multiplier, divisor)`` of Keras' ``_clip_by_norm`` for one variable, float32:
+    its gradient times ``multiplier``, divided by ``divisor``."""
+    c = np.float32(clip)
+    l2sum = np.float32(squared_norm)
+    norm = np.sqrt(l2sum) if l2sum > 0 else l2sum
+    return c, np.maximum(norm, c)
+
+
+class NormHold:
+    """Holds a step's complete sums until their group's norm is known; releases them
+    scaled.
 
     Args:
-        clip: the ``global_clipnorm``.
-        num_parts: the partitions of a step on this PS task.
-        share: None when this task holds every partition; else
-            ``(step, squared, then)``, which sends this task's sum of squares of
-            a step to the other tasks and calls ``then(total)`` with all tasks'
-            (``norm_sharing.NormSharing.share``).
-        release: with ``share``: called with the ready list (see :meth:`add`)
-            once the step's total is known.
+        clip: the ``global_clipnorm`` or ``clipnorm``.
+        per_variable: True for ``clipnorm`` (a group is a variable's key), False
+            for ``global_clipnorm`` (one group, 0).
+        local_counts: group -> this task's partitions of it.
+        shared: the groups with partitions on other PS tasks too, in the order
+            every task uses.
+        share: with ``shared``: ``(step, squared, then)`` sends this task's sums of
+            squares of a step (a float64 per shared group) and calls
+            ``then(totals)`` with every task's added (``NormSharing.share``).
+        release: with ``shared``: called with the ready list (see :meth:`add`)
+            of the shared groups once their totals are known.
     """
 
-    def __init__(self, clip: float, num_parts: int, share=None, release=None):
+    def __init__(self, clip: float, per_variable: bool, local_counts: dict, shared=(),
+                 share=None, release=None):
+        option = "clipnorm" if per_variable else "global_clipnorm"
         if not clip > 0:
-            raise ValueError(f"global_clipnorm must be > 0. Received: {clip!r}")
-        if num_parts < 1:
-            raise ValueError(f"num_parts must be >= 1. Received: {num_parts!r}")
-        if (share is None) != (release is None):
-            raise ValueError("share and release go together. Received: "
-                             f"share={share!r}, release={release!r}")
-        self.clip, self.num_parts = float(clip), num_parts
+            raise ValueError(f"{option} must be > 0. Received: {clip!r}")
+        if not local_counts or min(local_counts.values()) < 1:
+            raise ValueError(f"Every group holds >= 1 partition. Received: {local_counts!r}")
+        if bool(shared) != (share is not None) or (share is None) != (release is None):
+            raise ValueError("shared groups, share and release go together. Received: "
+                             f"shared={list(shared)!r}, share={share!r}, release={release!r}")
+        self.clip, self.per_variable = float(clip), per_variable
+        self._counts, self._shared = dict(local_counts), tuple(shared)
+        self._shared_parts = sum(local_counts.get(g, 0) for g in self._shared)
         self._share, self._release = share, release
         self._lock = threading.Lock()
-        self._held: dict[int, list] = {}  # step -> [(part, total, iteration)]
-        self._squared: dict[int, float] = {}  # step -> sum of squared entries so far
+        self._held: dict[int, dict] = {}  # step -> group -> [(part, total, iteration)]
+        self._squared: dict[int, dict] = {}  # step -> group -> sum of squared entries
+        self._shared_in: dict[int, int] = {}  # step -> this task's shared partitions in
+
+    def group_of(self, part) -> int:
+        return part.plan.key if self.per_variable else 0
 
     def add(self, part, step: int, total: np.ndarray, iteration: int) -> list:
         """Records one partition's sum of ``step``.
 
         Returns:
-            ``[(part, step, scaled total, iteration)]`` for every partition of
-            the step once this was the last and the norm is this task's alone;
-            else ``[]`` (with ``share``, ``release`` gets that list later).
+            ``[(part, step, scaled total, iteration)]`` for every partition of the
+            group once this was its last here and the group is this task's alone;
+            else ``[]`` (a shared group's go to ``release`` later).
         """
+        group = self.group_of(part)
         squared = float(np.sum(np.square(total, dtype=np.float64)))
         with self._lock:
-            held = self._held.setdefault(step, [])
+            held = self._held.setdefault(step, {}).setdefault(group, [])
             held.append((part, total, iteration))
-            self._squared[step] = self._squared.get(step, 0.0) + squared
-            if len(held) < self.num_parts:
-                return []
-            del self._held[step]
-            mine = self._squared.pop(step)
-        if self._share is None:
-            return self._scaled(step, held, mine)
-        self._share(step, mine, lambda everyone: self._release(
-            self._scaled(step, held, everyone)))
+            sums = self._squared.setdefault(step, {})
+            sums[group] = sums.get(group, 0.0) + squared
+            if group not in self._shared:
+                if len(held) < self._counts[group]:
+                    return []
+                done = {group: (self._pop_locked(step, group), sums.pop(group))}
+            else:
+                self._shared_in[step] = self._shared_in.get(step, 0) + 1
+                if self._shared_in[step] < self._shared_parts:
+                    return []
+                del self._shared_in[step]
+                mine = [sums.pop(g, 0.0) for g in self._shared]
+                parts = {g: self._pop_locked(step, g) for g in self._shared}
+                done = None
+            if not self._held[step]:
+                del self._held[step], self._squared[step]
+        if done is not None:
+            return [r for g, (held, sq) in done.items() for r in self._scaled(step, held, sq)]
+        self._share(step, mine, lambda totals: self._release(
+            [r for g, total in zip(self._shared, totals)
+             for r in self._scaled(step, parts[g], total)]))
         return []
 
+    def _pop_locked(self, step: int, group) -> list:
+        return self._held[step].pop(group, [])
+
     def _scaled(self, step: int, held: list, squared: float) -> list:
+        if self.per_variable:
+            multiplier, divisor = clip_by_norm_factor(squared, self.clip)
+            return [(p, step, ((t * multiplier) / divisor).astype(t.dtype, copy=False), i)
+                    for p, t, i in held]
         factor = scale(squared, self.clip)
         return [(p, step, (t * factor).astype(t.dtype, copy=False), i) for p, t, i in held]
 
     def pending(self) -> dict[int, int]:
         """Steps held, with how many partitions each has (for errors and tests)."""
         with self._lock:
-            return {step: len(held) for step, held in self._held.items()}
+            return {step: sum(len(h) for h in groups.values())
+                    for step, groups in self._held.items()}

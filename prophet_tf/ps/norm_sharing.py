@@ -1,17 +1,19 @@
-"""``global_clipnorm`` on several PS tasks: one norm per step, agreed through PS task 0.
+"""Clipping norms over partitions on several PS tasks, agreed through PS task 0.
 
-Each PS task sums its own partitions' squared entries of a step
-(``clipping.GlobalNorm``) as soon as its last partition's sum is complete,
-and sends that one float64 to PS task 0's ``ShareNorm``: a gather round per
-step among the PS tasks that own partitions (``gather.Gatherer``, as the
-workers' rounds). Task 0 answers every sender with all the shares once the
-last has arrived; each adds them in task order, so every task computes the
-same norm to the bit and scales its sums by Keras' factor.
+``global_clipnorm`` takes one norm over every partition, ``clipnorm`` one per
+variable; a norm whose partitions are on several PS tasks (a shared group,
+``clipping.shared_groups``) needs every task's sum of squares. Each task that
+owns partitions of shared groups adds its own (``clipping.NormHold``) and, once
+it has all of them for a step, sends one float64 per shared group to PS task 0's
+``ShareNorm``: a gather round per step among those tasks (``gather.Gatherer``,
+as the workers' rounds). Task 0 answers every sender with all the shares once
+the last has arrived; each adds them in task order, so every task computes the
+same norms to the bit and scales its sums by Keras' factors.
 
-Only the step's applies wait for the answer: pushes of the next step, pulls
-of partitions already applied and the sums go on. The call runs on a thread
-of its own (one step at a time: step k + 1's sums cannot complete before
-step k is applied, since its pushes need step k's parameters).
+Only those partitions' applies wait for the answer: pushes of the next step,
+pulls of partitions already applied and the sums go on. The call runs on a
+thread of its own (one step at a time: step k + 1's sums cannot complete
+before step k is applied, since its pushes need step k's parameters).
 
 PS task 0's address is the one the workers dial (``RegisterRequest.ps0_address``);
 the tasks reach it with the job's token and, with TLS, the CA of
@@ -33,30 +35,32 @@ import time
 from typing import Callable
 
 import grpc
+import numpy as np
 
 from prophet_tf.ps import clipping, gather, security
 from prophet_tf.ps.errors import invalid, precondition
 from prophet_tf.ps.protocol import SERVICE_NAME, channel_options
 from prophet_tf.ps.v1 import ps_pb2
 
-__all__ = ["NormRPCs", "NormSharing", "encode", "decode_total"]
+__all__ = ["NormRPCs", "NormSharing", "encode", "decode_totals"]
 
 logger = logging.getLogger(__name__)
 
 
-def encode(squared: float) -> bytes:
-    return struct.pack("<d", squared)
+def encode(squared) -> bytes:
+    """A task's share: its sums of squares, one float64 per shared group (little-endian)."""
+    return np.asarray(squared, "<f8").tobytes()
 
 
-def decode_total(payloads) -> float:
-    """The squared norm of a step: every task's share added in task order (float64)."""
-    total = 0.0
+def decode_totals(payloads, groups: int) -> list[float]:
+    """Every task's shares added in task order (float64), one total per shared group."""
+    totals = np.zeros(groups, np.float64)
     for payload in payloads:
-        if len(payload) != 8:
-            raise ValueError(f"A norm share is one float64 (8 bytes). Received: "
-                             f"{len(payload)} bytes")
-        total += struct.unpack("<d", payload)[0]
-    return total
+        if len(payload) != 8 * groups:
+            raise ValueError(f"A norm share is {groups} float64 ({8 * groups} bytes). "
+                             f"Received: {len(payload)} bytes")
+        totals += np.frombuffer(payload, "<f8")
+    return totals.tolist()
 
 
 class NormSharing:
@@ -88,9 +92,9 @@ class NormSharing:
                                         name=f"prophet-tf-norm-share-{sender}")
         self._thread.start()
 
-    def share(self, step: int, squared: float, then: Callable[[float], None]) -> None:
-        """Sends this task's ``squared`` of ``step``; calls ``then(total)`` on the
-        sharing thread once every task's share is in."""
+    def share(self, step: int, squared: list, then: Callable[[list], None]) -> None:
+        """Sends this task's ``squared`` of ``step`` (one per shared group); calls
+        ``then(totals)`` on the sharing thread once every task's share is in."""
         self._queue.put((step, squared, then))
 
     def close(self) -> None:
@@ -109,18 +113,19 @@ class NormSharing:
                 return  # The job failed: nothing more is applied.
             then(total)
 
-    def _agree(self, step: int, squared: float) -> float | None:
+    def _agree(self, step: int, squared: list) -> list | None:
         request = ps_pb2.GatherRequest(worker_id=self.sender, round=step,
                                        payload=encode(squared))
         unreachable_since = None
         while self._failed() is None:
             try:
-                return decode_total(self._call(request, timeout=self._timeout).payloads)
+                return decode_totals(self._call(request, timeout=self._timeout).payloads,
+                                     len(squared))
             except grpc.RpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     logger.warning("Still waiting after %.0f s for the other PS tasks' "
-                                   "norms of step %d (global_clipnorm) at PS task 0, %s",
+                                   "gradient norms of step %d at PS task 0, %s",
                                    self._timeout, step, self.address)
                     continue
                 if code == grpc.StatusCode.UNAVAILABLE:
@@ -130,43 +135,52 @@ class NormSharing:
                         time.sleep(min(1.0, self._timeout / 10))
                         continue
                 if self._failed() is None:
-                    self._fail(f"The PS tasks could not agree on the gradient norm of step "
-                               f"{step} (global_clipnorm) through PS task 0 at "
+                    self._fail(f"The PS tasks could not agree on the gradient norms of step "
+                               f"{step} (clipping) through PS task 0 at "
                                f"{self.address}: {code.name}: {e.details()}")
                 return None
         return None
 
 
 class NormRPCs:
-    """The servicer's side: ``global_clipnorm``'s hold installed with a model, and PS
-    task 0's ``ShareNorm`` (a mixin of the servicer; its state and locks)."""
+    """The servicer's side: the clipping hold installed with a model, and PS task 0's
+    ``ShareNorm`` (a mixin of the servicer; its state and locks)."""
 
     def _init_norms(self, peer_security: security.ClientSecurity | None) -> None:
-        self._global_norm: clipping.GlobalNorm | None = None  # the hold
+        self._norm_hold: clipping.NormHold | None = None
         self._peer_security = peer_security
         self._norm_sharing: NormSharing | None = None  # the agreement: sending,
         self._norm_rounds: gather.Gatherer | None = None  # and on task 0 answering
+        self._norm_groups = 0  # shared groups: the float64 of each share
 
-    def _install_global_norm(self, model) -> None:
-        """global_clipnorm's hold; on several PS tasks, the agreement on the norm."""
-        peers = model.norm_peers
-        if len(peers) > 1 and self.ps_index == 0:
+    def _install_norm_hold(self, model) -> None:
+        """The clipping hold; with groups over several PS tasks, the agreement."""
+        per_variable = model.clipnorm is not None
+        group = (lambda p: p.key) if per_variable else (lambda p: 0)  # noqa: E731
+        shared, peers = clipping.shared_groups(model.partitions, per_variable)
+        if shared and self.ps_index == 0:
+            self._norm_groups = len(shared)
             self._norm_rounds = gather.Gatherer(
                 len(peers), lambda _missing: (self._failure, True) if self._failure else None,
-                what="norm of step", same_calls="every PS task owning partitions shares "
-                "one norm per step")
-        if not model.parts:
+                what="norms of step", same_calls="every PS task owning partitions of a "
+                "shared norm sends one share per step")
+        counts: dict = {}
+        for part in model.parts.values():
+            counts[group(part.plan)] = counts.get(group(part.plan), 0) + 1
+        if not counts:
             return
-        if len(peers) == 1:
-            self._global_norm = clipping.GlobalNorm(model.global_clipnorm, len(model.parts))
+        clip = model.clipnorm if per_variable else model.global_clipnorm
+        mine = shared if self.ps_index in peers else ()
+        if not mine:
+            self._norm_hold = clipping.NormHold(clip, per_variable, counts)
             return
         peer_security = (security.client_security() if self._peer_security is None
                          else self._peer_security)
         self._norm_sharing = NormSharing(
             model.ps0_address, peers.index(self.ps_index), peer_security,
             self.worker_timeout_s, lambda: self._failure, self._fail_job)
-        self._global_norm = clipping.GlobalNorm(
-            model.global_clipnorm, len(model.parts), share=self._norm_sharing.share,
+        self._norm_hold = clipping.NormHold(
+            clip, per_variable, counts, mine, share=self._norm_sharing.share,
             release=lambda ready: [self._applier.submit(*r) for r in ready])
 
     def ShareNorm(self, request, context):
@@ -175,14 +189,14 @@ class NormRPCs:
 
     def _share_norm(self, request, context):
         with self._lock:
-            rounds = self._norm_rounds
+            rounds, groups = self._norm_rounds, self._norm_groups
         if rounds is None:
             raise precondition(
-                "ShareNorm is for PS task 0 of a model with global_clipnorm on several PS "
+                "ShareNorm is for PS task 0 of a model whose clipping norms span several PS "
                 f"tasks; this is PS task {self.ps_index} with "
                 f"{'no model' if self._model is None else 'another model'}. Received: "
                 f"round={request.round} from sender {request.worker_id}")
-        if len(request.payload) != 8:
-            raise invalid("A norm share is one float64 (8 bytes). Received: "
+        if len(request.payload) != 8 * groups:
+            raise invalid(f"A norm share is {groups} float64 ({8 * groups} bytes). Received: "
                           f"{len(request.payload)} bytes from sender {request.worker_id}")
         return ps_pb2.GatherResponse(payloads=rounds.gather(request, context))

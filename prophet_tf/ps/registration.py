@@ -76,9 +76,9 @@ class Model:
     loss_scaling: bool = False
     # Every step's sums are scaled by one norm before the apply (clipping.py).
     global_clipnorm: float | None = None
-    # With it on several PS tasks: the tasks that own partitions, which agree on
-    # each step's norm at PS task 0's address (norm_sharing.py).
-    norm_peers: tuple = ()
+    # Each variable's sums scaled by their norm before the apply (clipping.py).
+    clipnorm: float | None = None
+    # Where the PS tasks agree on norms over several tasks (norm_sharing.py).
     ps0_address: str = ""
     # The learning rate follows a schedule: a worker may not set it.
     learning_rate_is_schedule: bool = False
@@ -228,15 +228,19 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
             type(optimizer).__name__, [specs[p.key] for p in partitions if p.partition == 1],
             limit, config)
         global_clipnorm = optimizer_policy.global_clipnorm(config)
-        clipping.check_placement(global_clipnorm, num_ps, request.ps0_address)
+        clipnorm = optimizer_policy.clipnorm_on_the_ps(config)
+        if global_clipnorm or clipnorm:
+            shared, _ = clipping.shared_groups(partitions, per_variable=bool(clipnorm))
+            clipping.check_placement(bool(shared), num_ps, request.ps0_address,
+                                     f"global_clipnorm={global_clipnorm!r}" if global_clipnorm
+                                     else f"clipnorm={clipnorm!r}")
     except ValueError as e:
         raise invalid(str(e)) from None
     keras = load_keras()
     model = Model(specs, optimizer_policy.comparable(config), optimizer, partitions, limit,
                   loss_scaling=optimizer_policy.loss_scaling(config),
                   global_clipnorm=global_clipnorm,
-                  norm_peers=tuple(sorted({p.ps_index for p in partitions})),
-                  ps0_address=request.ps0_address,
+                  clipnorm=clipnorm, ps0_address=request.ps0_address,
                   learning_rate_is_schedule=isinstance(
                       optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule))
     model.parts = _make_parts(model, no_decay, ps_index)

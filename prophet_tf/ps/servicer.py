@@ -12,9 +12,9 @@ It owns the locking and wires the concerns together, each in its module:
 * ``verdicts.py``: a loss-scaled model's steps, applied or skipped as all
   workers' verdicts say;
 * ``apply.py``: the optimizer apply thread;
-* ``clipping.py``: ``global_clipnorm``, a step's sums held until its one norm
-  is known; ``norm_sharing.py``: with several PS tasks, that norm agreed
-  through PS task 0 (ShareNorm);
+* ``clipping.py``: ``global_clipnorm`` and ``clipnorm``, a step's sums held
+  until their norm is known; ``norm_sharing.py``: norms over partitions on
+  several PS tasks, agreed through PS task 0 (ShareNorm);
 * ``liveness.py``: heartbeats and the watchdog;
 * ``keras_rpcs.py``: what Keras needs besides training (Gather for
   whole-data metrics and predictions, the optimizer state of saved models);
@@ -76,7 +76,7 @@ class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs):
             job fails (a lost worker, a model conflict).
         trace: where to record when each partition's sum completed, was
             applied and answered (``trace.py``); None: not recorded.
-        peer_security: how this task reaches PS task 0 (``global_clipnorm`` on
+        peer_security: how this task reaches PS task 0 (clipping norms over
             several tasks, ``norm_sharing.py``); None: the environment's.
     """
 
@@ -142,7 +142,7 @@ class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs):
             num_workers, self._round_failure, what="verdict of step",
             same_calls="a worker sends one verdict per step")
         self._verdicts = verdicts.Verdicts()
-        self._init_norms(peer_security)  # global_clipnorm's (norm_sharing.py)
+        self._init_norms(peer_security)  # clipping's (norm_sharing.py)
 
     # ------------------------------------------------------------------ RPCs
 
@@ -234,8 +234,8 @@ class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs):
     def _install_model(self, model):
         self._model, self._parts = model, model.parts
         self._applier.optimizer = model.optimizer
-        if model.global_clipnorm:
-            self._install_global_norm(model)
+        if model.global_clipnorm or model.clipnorm:
+            self._install_norm_hold(model)
         logger.info("Model defined: %d variables, %d partitions on PS %d (%d bytes), "
                     "optimizer %s", len(model.specs), len(self._parts), self.ps_index,
                     sum(p.plan.nbytes for p in self._parts.values()),
@@ -292,8 +292,8 @@ class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs):
             part, step, total, iteration = update
             if iteration is None:
                 self._applier.skip(part, step)
-            elif self._global_norm is not None:  # Held until the step's norm is known.
-                for ready in self._global_norm.add(part, step, total, iteration):
+            elif self._norm_hold is not None:  # Held until its clipping norm is known.
+                for ready in self._norm_hold.add(part, step, total, iteration):
                     self._applier.submit(*ready)
             else:
                 self._applier.submit(part, step, total, iteration)

@@ -1,38 +1,69 @@
-"""prophet_tf.ps.clipping: global_clipnorm's factor and hold, against Keras' own code."""
+"""prophet_tf.ps.clipping: the clipping factors and the hold, against Keras' own code."""
 import os
+import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from keras.src.optimizers import base_optimizer  # noqa: E402
 
-from prophet_tf.ps import clipping  # noqa: E402
+from prophet_tf.ps import clipping, sharding  # noqa: E402
+from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
+
+
+def part(key: int):
+    """What the hold reads of a partition: its variable's key."""
+    return types.SimpleNamespace(plan=types.SimpleNamespace(key=key))
+
+
+def gradients():
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(s).astype(np.float32) for s in ((6, 4), (4,))]
 
 
 @pytest.mark.parametrize("clip", [0.5, 100.0])  # clipping, and a norm under the clip
 def test_held_partitions_are_scaled_as_keras_clips_the_whole_gradient(clip):
-    rng = np.random.default_rng(0)
-    kernel, bias = rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal(4)
-    bias = bias.astype(np.float32)
+    kernel, bias = gradients()
     expected = [np.asarray(g) for g in base_optimizer.clip_by_global_norm([kernel, bias], clip)]
-    hold = clipping.GlobalNorm(clip, num_parts=3)  # kernel rows 0:3 and 3:6, bias
-    assert hold.add("k0", 7, kernel[:3], 7) == []
-    assert hold.add("b", 7, bias, 7) == []
+    hold = clipping.NormHold(clip, False, {0: 3})  # kernel rows 0:3 and 3:6, bias
+    k0, k1, b = part(0), part(0), part(1)
+    assert hold.add(k0, 7, kernel[:3], 7) == []
+    assert hold.add(b, 7, bias, 7) == []
     assert hold.pending() == {7: 2}
-    ready = {part: total for part, step, total, _ in hold.add("k1", 7, kernel[3:], 7)}
+    ready = {id(p): total for p, step, total, _ in hold.add(k1, 7, kernel[3:], 7)}
     assert hold.pending() == {}
-    np.testing.assert_allclose(np.concatenate([ready["k0"], ready["k1"]]), expected[0],
+    np.testing.assert_allclose(np.concatenate([ready[id(k0)], ready[id(k1)]]), expected[0],
                                rtol=1e-6)
-    np.testing.assert_allclose(ready["b"], expected[1], rtol=1e-6)
-    assert ready["b"].dtype == np.float32
+    np.testing.assert_allclose(ready[id(b)], expected[1], rtol=1e-6)
+    assert ready[id(b)].dtype == np.float32
+
+
+@pytest.mark.parametrize("clip", [0.5, 100.0])
+def test_clipnorm_scales_each_variable_by_its_own_norm_as_keras(clip):
+    kernel, bias = gradients()
+    optimizer = keras.optimizers.SGD(clipnorm=clip)
+    expected = [np.asarray(optimizer._clip_by_norm(g)) for g in (kernel, bias)]
+    hold = clipping.NormHold(clip, True, {0: 2, 1: 1})
+    (b_ready,) = hold.add(part(1), 3, bias, 3)  # the bias is whole: released at once
+    np.testing.assert_allclose(b_ready[2], expected[1], rtol=1e-6)
+    assert hold.add(part(0), 3, kernel[:3], 3) == []
+    ready = hold.add(part(0), 3, kernel[3:], 3)
+    np.testing.assert_allclose(np.concatenate([r[2] for r in ready]), expected[0], rtol=1e-6)
+    assert hold.pending() == {}
+
+
+def test_a_zero_gradient_stays_zero_under_clipnorm():
+    (ready,) = clipping.NormHold(1.0, True, {0: 1}).add(part(0), 0, np.zeros(3, np.float32), 0)
+    np.testing.assert_array_equal(ready[2], np.zeros(3, np.float32))
 
 
 def test_steps_are_held_apart():
-    hold = clipping.GlobalNorm(1.0, num_parts=2)
-    assert hold.add("a", 0, np.ones(2, np.float32), 0) == []
-    assert hold.add("a", 1, np.ones(2, np.float32), 1) == []
-    assert [s for _, s, _, _ in hold.add("b", 1, np.ones(2, np.float32), 1)] == [1, 1]
+    hold = clipping.NormHold(1.0, False, {0: 2})
+    assert hold.add(part(0), 0, np.ones(2, np.float32), 0) == []
+    assert hold.add(part(0), 1, np.ones(2, np.float32), 1) == []
+    assert [s for _, s, _, _ in hold.add(part(1), 1, np.ones(2, np.float32), 1)] == [1, 1]
     assert hold.pending() == {0: 1}
 
 
@@ -42,16 +73,27 @@ def test_factor_of_a_zero_or_non_finite_norm_is_keras_s():
     assert np.isnan(clipping.scale(float("nan"), 1.0))
 
 
-@pytest.mark.parametrize("clip,num_parts", [(0.0, 1), (-1.0, 1), (1.0, 0)])
-def test_bad_arguments_are_named(clip, num_parts):
+@pytest.mark.parametrize("clip,counts", [(0.0, {0: 1}), (-1.0, {0: 1}), (1.0, {}),
+                                         (1.0, {0: 0})])
+def test_bad_arguments_are_named(clip, counts):
     with pytest.raises(ValueError, match="Received"):
-        clipping.GlobalNorm(clip, num_parts)
+        clipping.NormHold(clip, False, counts)
 
 
-def test_several_ps_tasks_need_task_0s_address():
-    clipping.check_placement(None, 3, "")
-    clipping.check_placement(1.0, 1, "")
-    clipping.check_placement(1.0, 2, "localhost:1234")
+def test_shared_groups_are_the_variables_on_several_tasks():
+    specs = [ps_pb2.VariableSpec(key=0, name="k", shape=[64, 4], dtype="float32"),
+             ps_pb2.VariableSpec(key=1, name="b", shape=[4], dtype="float32")]
+    plan = sharding.plan(specs, 2, 64, spread=True)
+    shared, tasks = clipping.shared_groups(plan, per_variable=True)
+    assert 0 in shared and tasks == [0, 1]
+    assert clipping.shared_groups(plan, per_variable=False) == ((0,), [0, 1])
+    one = sharding.plan(specs, 1, 64, spread=True)
+    assert clipping.shared_groups(one, per_variable=True) == ((), [])
+
+
+def test_norms_over_several_tasks_need_task_0s_address():
+    clipping.check_placement(False, 3, "", "clipnorm=1.0")
+    clipping.check_placement(True, 2, "localhost:1234", "clipnorm=1.0")
     with pytest.raises(ValueError, match=r"Received: global_clipnorm=1\.0, num_ps=2, "
                                          r"ps0_address=''"):
-        clipping.check_placement(1.0, 2, "")
+        clipping.check_placement(True, 2, "", "global_clipnorm=1.0")

@@ -1,8 +1,8 @@
-"""global_clipnorm on several PS tasks: they agree on each step's norm through PS task 0.
+"""Clipping norms over several PS tasks: they agree on each step's norms through task 0.
 
 Three PS servicers on real gRPC servers in this process and two workers' real clients
 (register_all, pushes, pulls); the PS tasks call task 0's ShareNorm over gRPC. The
-applied values equal Keras' SGD with global_clipnorm on the whole model.
+applied values equal Keras' SGD with global_clipnorm, or clipnorm, on whole variables.
 """
 import os
 
@@ -16,7 +16,7 @@ import tensorflow as tf  # noqa: E402
 
 import ps_helpers  # noqa: E402
 from prophet_tf import keras_optimizer  # noqa: E402
-from prophet_tf.ps import client as client_lib, norm_sharing, sharding  # noqa: E402
+from prophet_tf.ps import client as client_lib, clipping, norm_sharing, sharding  # noqa: E402
 from prophet_tf.ps.server import create_server  # noqa: E402
 from prophet_tf.ps.servicer import ParameterServerServicer  # noqa: E402
 from prophet_tf.ps.v1 import ps_pb2  # noqa: E402
@@ -58,19 +58,21 @@ def cluster():
         servicer.close()
 
 
-def test_several_ps_tasks_clip_by_the_global_norm_as_keras(cluster):
+@pytest.mark.parametrize("option", ["global_clipnorm", "clipnorm"])
+def test_several_ps_tasks_clip_by_norms_as_keras(cluster, option):
     servicers, workers = cluster
     rng = np.random.default_rng(3)
     values = {k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in SHAPES.items()}
     reference_vars = [keras.Variable(values[k], name=n.split("/")[-1])
                       for k, (n, _) in SHAPES.items()]
-    make = lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=1.0)  # noqa: E731
+    make = lambda: keras.optimizers.SGD(0.1, momentum=0.9, **{option: 1.0})  # noqa: E731
     reference = make()
     reference.build(reference_vars)
     config = keras_optimizer.config_json(make(), reference_vars)
     partitions = sharding.plan(SPECS, NUM_PS, LIMIT, spread=True)
     assert {p.ps_index for p in partitions} == set(range(NUM_PS))  # every task shares
     assert len({p.key for p in partitions if p.ps_index == 1}) > 1  # and splits variables
+    assert clipping.shared_groups(partitions, option == "clipnorm")[1] == [0, 1, 2]
     for w, clients in enumerate(workers):
         client_lib.register_all(clients, SPECS, config, values if w == 0 else None, timeout=60,
                                 max_partition_bytes=LIMIT)
@@ -78,7 +80,7 @@ def test_several_ps_tasks_clip_by_the_global_norm_as_keras(cluster):
     by_key_partition = {(p.key, p.partition): p for p in partitions}
     for step in range(3):
         # Large gradients on step 0 and 2 (clipped), small on step 1 (under the clip).
-        size = 0.01 if step == 1 else 5.0
+        size = 0.01 if step == 1 else 2.0
         grads = [{k: (size * rng.standard_normal(s)).astype(np.float32)
                   for k, (_, s) in SHAPES.items()} for _ in range(NUM_WORKERS)]
         for w, clients in enumerate(workers):
@@ -97,7 +99,7 @@ def test_several_ps_tasks_clip_by_the_global_norm_as_keras(cluster):
             np.testing.assert_allclose(got[k], variable.numpy(), rtol=1e-6, atol=1e-7,
                                        err_msg=f"step {step}, variable {k}")
     # Task 0 answered each step's round; nothing is held.
-    assert all(s._global_norm.pending() == {} for s in servicers)
+    assert all(s._norm_hold.pending() == {} for s in servicers)
 
 
 def test_share_norm_is_refused_where_there_is_no_agreement(cluster):
@@ -126,8 +128,8 @@ def test_a_register_without_task_0s_address_is_refused_naming_it(cluster):
     assert "Received: global_clipnorm=1.0, num_ps=3, ps0_address=''" in raised.value.details()
 
 
-def test_shares_add_in_task_order_and_must_be_float64():
-    payloads = [norm_sharing.encode(x) for x in (1e16, 1.0, -1e16)]
-    assert norm_sharing.decode_total(payloads) == (1e16 + 1.0) - 1e16  # that order's rounding
-    with pytest.raises(ValueError, match="Received: 4 bytes"):
-        norm_sharing.decode_total([b"\x00" * 4])
+def test_shares_add_in_task_order_one_float64_per_group():
+    payloads = [norm_sharing.encode([x, 2.0]) for x in (1e16, 1.0, -1e16)]
+    assert norm_sharing.decode_totals(payloads, 2) == [(1e16 + 1.0) - 1e16, 6.0]
+    with pytest.raises(ValueError, match="Received: 8 bytes"):
+        norm_sharing.decode_totals([norm_sharing.encode([1.0])], 2)

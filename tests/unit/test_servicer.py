@@ -314,7 +314,7 @@ def test_global_clipnorm_holds_a_step_until_every_partition_has_its_sum(make_ser
         push(servicer, worker, grad_chunks(grads, 0, partitions[:-1]))
     got, versions = pull(servicer, 0, timeout=0.5)
     assert set(versions.values()) == {0}  # Nothing applied: one sum is missing.
-    assert servicer._global_norm.pending() == {0: len(partitions) - 1}
+    assert servicer._norm_hold.pending() == {0: len(partitions) - 1}
     for worker in range(2):
         push(servicer, worker, grad_chunks(grads, 0, partitions[-1:]))
     got, versions = pull(servicer, 1)
@@ -322,19 +322,22 @@ def test_global_clipnorm_holds_a_step_until_every_partition_has_its_sum(make_ser
     norm = np.sqrt(sum(np.sum(np.square(2 * g)) for g in grads.values()))
     for k in grads:
         np.testing.assert_allclose(got[k], values[k] - 2 * grads[k] * 0.5 / norm, rtol=1e-6)
-    assert servicer._global_norm.pending() == {}
+    assert servicer._norm_hold.pending() == {}
 
 
-def test_clipnorm_is_refused_only_when_a_variable_is_split(make_servicer):
-    """clipnorm needs the norm of a variable's whole summed gradient."""
+def test_clipnorm_with_accumulation_is_refused_only_when_a_variable_is_split(make_servicer):
+    """Keras clips the accumulated average inside apply: each variable whole. Without
+    accumulation the PS clips each step's sums by their variable's norm itself."""
     servicer = make_servicer()  # LIMIT splits dense/kernel
+    clipped = keras.optimizers.SGD(0.1, clipnorm=1.0, gradient_accumulation_steps=2)
     request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
-                                     optimizer_config=config(keras.optimizers.SGD(0.1,
-                                                                                  clipnorm=1.0)))
+                                     optimizer_config=config(clipped))
     expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
-                 "'dense/kernel'", "is split into element ranges", "Received: clipnorm=1.0")
+                 "'dense/kernel'", "is split into element ranges",
+                 "Received: clipnorm=1.0, gradient_accumulation_steps=2")
+    register(make_servicer(), 0, config(keras.optimizers.SGD(0.1, clipnorm=1.0)))
     servicer = make_servicer(max_partition_bytes=1 << 20)
-    register(servicer, 0, config(keras.optimizers.SGD(0.1, clipnorm=1.0)))
+    register(servicer, 0, config(clipped))
 
 
 # -------------------------------------------------------------- Push & sums
@@ -701,8 +704,8 @@ def adamw_without_bias_decay():
     lambda: keras.optimizers.Adam(lr_schedule()),
     lambda: keras.optimizers.RMSprop(0.01, rho=0.8),
     adamw_without_bias_decay,
-    # Clipping of the summed gradient: clipvalue on the split kernel's row
-    # ranges; clipnorm with every variable whole (it is refused otherwise).
+    # Clipping of the summed gradient: clipvalue on the split kernel's element
+    # ranges; clipnorm by the norm of all of the kernel's.
     lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipvalue=0.5),
     lambda: keras.optimizers.Adam(0.05, clipnorm=1.0),
     # global_clipnorm: one norm over the split kernel's element ranges and the rest.
@@ -757,8 +760,7 @@ def test_the_policy_names_every_keras_builtin_optimizer():
 def _check_updates_equal_single_process_keras(make_servicer, make_optimizer):
     """Two workers' pushes for 4 steps, against Keras applying their sum to whole variables."""
     optimizer = make_optimizer()
-    whole = (optimizer.clipnorm is not None
-             or type(optimizer).__name__ in optimizer_policy.WHOLE_VARIABLE)
+    whole = optimizer_policy.needs_whole_variables(keras.optimizers.serialize(optimizer))
     limit = 1 << 20 if whole else LIMIT
     partitions = sharding.plan(specs(), 1, limit, spread=True)
     servicer = make_servicer(max_partition_bytes=limit)

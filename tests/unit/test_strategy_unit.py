@@ -425,13 +425,20 @@ def test_one_worker_s_forward_all_reduce_is_its_own_sum():
     np.testing.assert_array_equal(step(tf.constant([1.0, 2.0])), [1.0, 2.0])
 
 
-def test_clipnorm_keeps_variables_whole_as_whole_variable_optimizers_do():
-    """The workers then split only variables over max_partition_bytes (engine.start)."""
+def test_clipnorm_with_accumulation_keeps_variables_whole_as_whole_variable_optimizers_do():
+    """The workers then split only variables over max_partition_bytes (engine.start);
+    clipnorm alone spreads them: the PS tasks agree on each variable's norm."""
     import json
 
     import keras
     parse = lambda o: optimizer_policy.parse_config(keras_optimizer.config_json(o))  # noqa: E731
-    assert optimizer_policy.needs_whole_variables(parse(keras.optimizers.SGD(0.1, clipnorm=1.0)))
+    assert optimizer_policy.needs_whole_variables(parse(keras.optimizers.SGD(
+        0.1, clipnorm=1.0, gradient_accumulation_steps=2)))
+    assert not optimizer_policy.needs_whole_variables(parse(keras.optimizers.SGD(
+        0.1, clipnorm=1.0)))
+    assert optimizer_policy.clipnorm_on_the_ps(parse(keras.optimizers.SGD(0.1, clipnorm=1.0)))
+    assert optimizer_policy.clipnorm_on_the_ps(parse(keras.optimizers.SGD(
+        0.1, clipnorm=1.0, gradient_accumulation_steps=2))) is None
     assert optimizer_policy.needs_whole_variables(parse(keras.optimizers.Lamb()))
     assert not optimizer_policy.needs_whole_variables(
         parse(keras.optimizers.SGD(0.1, clipvalue=1.0)))

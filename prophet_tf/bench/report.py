@@ -123,7 +123,8 @@ def _caption(config: dict, runs: str) -> str:
 #: each only since it exists; pushes_first only at the experiment's commit,
 #: 24fed3e, see the README's "Where the links stand idle"), and which
 #: schedulers each ran.
-_RUN_SETTINGS = ("answers_first", "pushes_first", "host_queue", "schedulers")
+_RUN_SETTINGS = ("answers_first", "pushes_first", "host_queue", "schedulers",
+                 "global_clipnorm")
 
 
 def runs_table(runs: list[tuple[str, dict]]) -> str:

@@ -106,10 +106,11 @@ class _Worker:
     def __init__(self, sim: FluidSim, profile: dict, dispatch: Dispatch, num_ps: int,
                  iterations: int, compute_scale: float, latency_s: float, rpc_overhead_s: float,
                  network: ClusterLinks, servers: _Servers, index: int = 0,
-                 rpc_per_byte_s: float = 0.0):
+                 rpc_per_byte_s: float = 0.0, finished: list | None = None):
         self.sim, self.dispatch, self.servers = sim, dispatch, servers
-        self.push_links = lambda ps: network.push_links(index, ps)
-        self.pull_links = lambda ps: network.pull_links(index, ps)
+        self.push_links = [network.push_links(index, ps) for ps in range(num_ps)]
+        self.pull_links = [network.pull_links(index, ps) for ps in range(num_ps)]
+        self.finished = [] if finished is None else finished  # workers past their last iteration
         self.vars = profile["variables"]
         self.fwd = [f * compute_scale for f in models.variable_forward_s(profile)]
         self.ready = [v["backward_ready_s"] * compute_scale for v in self.vars]
@@ -157,6 +158,7 @@ class _Worker:
         self.var = 0
         self.starts.append(self.sim.now)
         if self.iteration >= self.iterations:
+            self.finished.append(self)
             self.dispatch.flush()
             self._drain()
             return
@@ -184,7 +186,7 @@ class _Worker:
         self.pushed_bytes += nbytes
         self.dispatch.release(block)  # serialized at the start, as in the engine
         self.sim.at(start + self._cost(nbytes), lambda: self.sim.start_flow(
-            nbytes, self.push_links(ps),
+            nbytes, self.push_links[ps],
             lambda: self._arrived_at_ps(block, start, ps)))
 
     def _arrived_at_ps(self, block, start: float, ps: int) -> None:
@@ -229,7 +231,7 @@ class _Worker:
             self.sim.at(self.sim.now + self.latency, lambda: self._deliver(p, version))
             self._pull(ps, version, left)
         self.sim.at(self.sim.now + self._cost(p.nbytes), lambda: self.sim.start_flow(
-            p.nbytes, self.pull_links(ps), delivered))
+            p.nbytes, self.pull_links[ps], delivered))
 
     def _cost(self, nbytes: int) -> float:
         """A message's time at the ends, besides the link: per message and per byte."""
@@ -314,16 +316,16 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
     sim = FluidSim(network.capacity, share_sigma, seed)
     servers = _Servers(sim, network.simulated)
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
-    simulated = []
+    simulated, finished = [], []
     for index in range(network.simulated):
         s = schedulers_lib.make_scheduler(scheduler, **(scheduler_options or {}))
         dispatch = Dispatch([spec.key for spec in specs], specs, num_ps, s)
         simulated.append(_Worker(sim, profile, dispatch, num_ps, iterations, scale,
                                  latency_ms / 1e3, rpc_overhead_s, network, servers, index,
-                                 rpc_per_byte_s))
+                                 rpc_per_byte_s, finished))
         sim.at(0.0, simulated[-1].start)
     worker = simulated[0]
-    sim.run(until=lambda: all(len(w.starts) > iterations for w in simulated))
+    sim.run(until=lambda: len(finished) == len(simulated))  # checked at every event: O(1)
     if len(worker.starts) <= iterations:
         raise RuntimeError(f"simulation of {scheduler} stalled at iteration {worker.iteration} "
                            f"(t={sim.now:.4f} s); a scheduler held items it never released")

@@ -430,3 +430,61 @@ def test_held_out_validation_charges_the_costs_fitted_on_other_runs(tmp_path, ca
     assert "'workers': 3" in err and "'workers': 2" in err, err
     assert simulate_cli.main(["--costs-from", str(fit_path)]) == 2
     assert "--costs-from is for --validate" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_flow_classes_and_lazy_rates_give_the_straightforward_paths_results(name, monkeypatch):
+    """The network's shortcuts (flows of one path share a class; rates are
+    recomputed once per instant, not at every flow's start and end) do the
+    same float operations in the same order as recomputing every flow's rate
+    at every change: the results are identical to the last bit, also with
+    uneven sharing, where every flow is a class of its own."""
+    cases = [dict(workers=3, num_ps=3, bandwidth_mbit=100, layout="colocated"),
+             dict(workers=4, num_ps=8, bandwidth_mbit=300, layout="colocated", latency_ms=0.5),
+             dict(workers=4, num_ps=2, bandwidth_mbit=100, layout="dedicated"),
+             dict(workers=3, num_ps=3, bandwidth_mbit=100, layout="colocated", share_sigma=1.0)]
+    fast = [simulate.simulate(TOY, name, **case) for case in cases]
+    grouped = []
+    real = simulate_network.FluidSim
+
+    class Straightforward(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, classes=False, **kwargs)
+            grouped.append(self)
+
+    monkeypatch.setattr(simulate, "FluidSim", Straightforward)
+    slow = [simulate.simulate(TOY, name, **case) for case in cases]
+    assert len(grouped) == len(cases)
+    for a, b in zip(fast, slow):
+        assert a["step_times_s"] == b["step_times_s"] and a["step_time_s"] > TOY["compute_s"]
+        assert a["phase_spread_s"] == b["phase_spread_s"]
+        assert a["pushed_bytes_per_step"] == b["pushed_bytes_per_step"]
+
+
+@pytest.mark.timeout(60)
+def test_a_class_of_flows_gets_the_rates_of_its_flows_one_by_one():
+    """Flows of one path form one class; their rates, and which flows end
+    when, are those of the flows computed one by one."""
+    capacity = {("w", h, d): 1000.0 for h in range(3) for d in ("up", "down")}
+    capacity["slow"] = 150.0
+    paths = [(("w", 0, "up"), ("w", 1, "down")), (("w", 0, "up"), ("w", 1, "down")),
+             (("w", 0, "up"), ("w", 2, "down")), (("w", 1, "up"), ("w", 2, "down")),
+             (("w", 2, "up"), "slow"), (("w", 0, "up"), ("w", 1, "down"))]
+    runs = []
+    for classes in (True, False):
+        sim = simulate_network.FluidSim(capacity, classes=classes)
+        ended, rates = [], []
+
+        def start(i, path):
+            sim.start_flow(100.0 * (i + 1), path, lambda: ended.append((i, sim.now)))
+            rates.append([f.rate for f in sim.flows])
+        for i, path in enumerate(paths):
+            sim.at(0.001 * i, lambda i=i, path=path: start(i, path))
+        sim.run(until=lambda: len(ended) == len(paths))
+        runs.append((rates, ended))
+    assert runs[0] == runs[1]
+    rates = runs[0][0][-1]  # once every flow started
+    # Flows 0, 1 and 5 share a path: one rate.
+    assert len(rates) == len(paths) and rates[0] == rates[1] == rates[5]
+    assert sorted(i for i, _ in runs[0][1]) == list(range(len(paths)))

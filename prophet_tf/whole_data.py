@@ -225,18 +225,12 @@ class Exchange:
         variables = list(self._summed)
         if not variables:
             return run()
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
         for variable, value in zip(variables, before):
             _, local, last = self._shadow(variable)
             variable.assign(tf.where(tf.equal(value, last), local, value))
-        start = None if graph is None else len(graph.get_operations())
-        outputs = run()
-        if graph is None:
-            updated = variables
-        else:
-            made = graph.get_operations()[start:]
-            updated = [v for v in variables if _updated_by(v, made, graph)]
+        outputs, written = _run_recording_writes(run)
+        updated = [v for v in variables if written(v)]
         for variable, value in zip(variables, before):
             if all(variable is not u for u in updated):
                 variable.assign(value)  # Untouched: as it was.
@@ -266,11 +260,9 @@ class Exchange:
             value = tf.convert_to_tensor(variable)
             # Still the sum last written: continue from this worker's own accumulation.
             variable.assign(tf.where(tf.equal(value, last), local, value))
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        start = None if graph is None else len(graph.get_operations())
-        outputs = run()
+        outputs, written = _run_recording_writes(run)
         variables = _metric_variables(model)
-        averaged = _moving_statistics(model, variables, graph, start) if training else []
+        averaged = _moving_statistics(model, variables, written) if training else []
         if not variables and not averaged:
             return outputs
         self._write_sums(variables, averaged)
@@ -331,7 +323,19 @@ def _metric_variables(model) -> list:
     return [v for metric in model.metrics for v in metric.variables]
 
 
-def _moving_statistics(model, metric_variables, graph, start) -> list:
+def _run_recording_writes(run):
+    """``(run(), written)``: ``written(variable)`` tells whether the ops ``run`` made
+    may write the variable (in a tf.function); eagerly, every variable counts."""
+    if tf.executing_eagerly():
+        return run(), lambda variable: True
+    graph = tf.compat.v1.get_default_graph()
+    start = len(graph.get_operations())
+    outputs = run()
+    made = graph.get_operations()[start:]
+    return outputs, lambda variable: _updated_by(variable, made, graph)
+
+
+def _moving_statistics(model, metric_variables, written) -> list:
     """The model's non-trainable floating-point variables that this train step wrote
     (BatchNormalization's moving mean and variance): not a frozen layer's weights, not
     a metric's. Eagerly every such variable counts (equal values average to themselves).
@@ -340,9 +344,5 @@ def _moving_statistics(model, metric_variables, graph, start) -> list:
     (training normalizes with the batch's own; renorm aside), so the mean after every
     step is what MultiWorkerMirroredStrategy's on-read mean of per-worker values reads."""
     metric_ids = {id(v) for v in metric_variables}
-    candidates = [v for v in model.non_trainable_variables
-                  if id(v) not in metric_ids and tf.as_dtype(v.dtype).is_floating]
-    if graph is None or not candidates:
-        return candidates
-    made = graph.get_operations()[start:]
-    return [v for v in candidates if _updated_by(v, made, graph)]
+    return [v for v in model.non_trainable_variables
+            if id(v) not in metric_ids and tf.as_dtype(v.dtype).is_floating and written(v)]

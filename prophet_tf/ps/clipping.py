@@ -137,26 +137,29 @@ class NormHold:
             if group not in self._shared:
                 if len(held) < self._counts[group]:
                     return []
-                done = {group: (self._pop_locked(step, group), sums.pop(group))}
+                ready = [(self._take_locked(step, group), sums.pop(group))]
             else:
                 self._shared_in[step] = self._shared_in.get(step, 0) + 1
                 if self._shared_in[step] < self._shared_parts:
                     return []
                 del self._shared_in[step]
                 mine = [sums.pop(g, 0.0) for g in self._shared]
-                parts = {g: self._pop_locked(step, g) for g in self._shared}
-                done = None
-            if not self._held[step]:
-                del self._held[step], self._squared[step]
-        if done is not None:
-            return [r for g, (held, sq) in done.items() for r in self._scaled(step, held, sq)]
+                parts = [self._take_locked(step, g) for g in self._shared]
+                ready = None
+        if ready is not None:
+            return [r for held, squared in ready for r in self._scaled(step, held, squared)]
         self._share(step, mine, lambda totals: self._release(
-            [r for g, total in zip(self._shared, totals)
-             for r in self._scaled(step, parts[g], total)]))
+            [r for held, total in zip(parts, totals) for r in self._scaled(step, held, total)]))
         return []
 
-    def _pop_locked(self, step: int, group) -> list:
-        return self._held[step].pop(group, [])
+    def _take_locked(self, step: int, group) -> list:
+        """A group's held sums of ``step``, no longer held (the step's entry goes with
+        its last group)."""
+        groups = self._held.get(step, {})
+        held = groups.pop(group, [])
+        if step in self._held and not groups:
+            del self._held[step], self._squared[step]
+        return held
 
     def _scaled(self, step: int, held: list, squared: float) -> list:
         if self.per_variable:

@@ -157,7 +157,7 @@ class NormRPCs:
         """The clipping hold; with groups over several PS tasks, the agreement."""
         per_variable = model.clipnorm is not None
         group = (lambda p: p.key) if per_variable else (lambda p: 0)  # noqa: E731
-        shared, peers = clipping.shared_groups(model.partitions, per_variable)
+        shared, peers = model.norm_groups, model.norm_peers
         if shared and self.ps_index == 0:
             self._norm_groups = len(shared)
             self._norm_rounds = gather.Gatherer(

@@ -78,7 +78,11 @@ class Model:
     global_clipnorm: float | None = None
     # Each variable's sums scaled by their norm before the apply (clipping.py).
     clipnorm: float | None = None
-    # Where the PS tasks agree on norms over several tasks (norm_sharing.py).
+    # The clipping norms with partitions on several PS tasks, and the tasks
+    # owning those partitions, which agree on them at PS task 0's address
+    # (clipping.shared_groups, norm_sharing.py).
+    norm_groups: tuple = ()
+    norm_peers: list = dataclasses.field(default_factory=list)
     ps0_address: str = ""
     # The learning rate follows a schedule: a worker may not set it.
     learning_rate_is_schedule: bool = False
@@ -229,9 +233,10 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
             limit, config)
         global_clipnorm = optimizer_policy.global_clipnorm(config)
         clipnorm = optimizer_policy.clipnorm_on_the_ps(config)
-        if global_clipnorm or clipnorm:
-            shared, _ = clipping.shared_groups(partitions, per_variable=bool(clipnorm))
-            clipping.check_placement(bool(shared), num_ps, request.ps0_address,
+        shared, peers = clipping.shared_groups(partitions, per_variable=bool(clipnorm)) \
+            if global_clipnorm or clipnorm else ((), [])
+        if shared:
+            clipping.check_placement(True, num_ps, request.ps0_address,
                                      f"global_clipnorm={global_clipnorm!r}" if global_clipnorm
                                      else f"clipnorm={clipnorm!r}")
     except ValueError as e:
@@ -240,7 +245,8 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
     model = Model(specs, optimizer_policy.comparable(config), optimizer, partitions, limit,
                   loss_scaling=optimizer_policy.loss_scaling(config),
                   global_clipnorm=global_clipnorm,
-                  clipnorm=clipnorm, ps0_address=request.ps0_address,
+                  clipnorm=clipnorm, norm_groups=shared, norm_peers=peers,
+                  ps0_address=request.ps0_address,
                   learning_rate_is_schedule=isinstance(
                       optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule))
     model.parts = _make_parts(model, no_decay, ps_index)

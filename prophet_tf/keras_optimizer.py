@@ -21,11 +21,10 @@ the PS's accumulates the sums (:mod:`prophet_tf.ps.accumulation`).
 ``clipvalue`` is element-wise, so exact on any partitioning. ``clipnorm`` (one
 variable's norm) and ``global_clipnorm`` (one over all) need norms over several
 partitions: the PS's optimizer is rebuilt without them and
-:mod:`prophet_tf.ps.clipping` scales each step's sums once a norm's partitions are
-complete and the PS tasks agree on it (:mod:`prophet_tf.ps.norm_sharing`). With
-gradient accumulation Keras clips the accumulated average inside ``apply``, so
-``clipnorm`` stays in the PS's optimizer and the workers keep variables whole
-(``needs_whole_variables``; the PS refuses a split one, ``check_partitioning``).
+:mod:`prophet_tf.ps.clipping` gives each partition's update its group's factor
+once the norm's partitions are complete and the PS tasks agree on it
+(:mod:`prophet_tf.ps.norm_sharing`); with gradient accumulation, the norm of the
+accumulated average at every N-th step, as Keras clips.
 
 This module imports neither TensorFlow nor Keras at import time; Keras is
 imported inside the functions that need it.
@@ -38,7 +37,7 @@ from typing import Sequence
 from prophet_tf import _keras_compat
 from prophet_tf.optimizer_policy import (ACCUMULATION, CLIPPING_OPTIONS, LOSS_SCALING_KEY,
                                          MAX_ECHO_CHARS, NO_WEIGHT_DECAY_KEY, check_builtin,
-                                         check_optimizer, check_options, clipnorm_on_the_ps)
+                                         check_optimizer, check_options)
 
 __all__ = ["config_json", "rebuild", "clips", "leave_to_the_ps", "left_to_the_ps",
            "clip_on_the_ps", "check_worker_optimizer", "steps_taken"]
@@ -109,16 +108,15 @@ def rebuild(config: dict):
     import keras
 
     check_builtin(config)  # before Keras imports whatever module it names
-    check_options(config)  # as sent: global_clipnorm is dropped below
+    check_options(config)  # as sent: the norm clipping is dropped below
     config = json.loads(json.dumps(config))  # Keras mutates what it is given
     no_decay = set(config.pop(NO_WEIGHT_DECAY_KEY, None) or ())
     config.pop(LOSS_SCALING_KEY, None)
     if isinstance(config.get("config"), dict):
         # Applied per partition it would take each partition's norm for the
-        # step's: prophet_tf.ps.clipping scales the sums before the apply.
+        # step's or the variable's: prophet_tf.ps.clipping gives the factors.
         config["config"].pop("global_clipnorm", None)
-        if clipnorm_on_the_ps(config):  # likewise, one norm per variable
-            config["config"].pop("clipnorm", None)
+        config["config"].pop("clipnorm", None)
     try:
         optimizer = keras.optimizers.deserialize(json.loads(json.dumps(config)))
         if not isinstance(optimizer, keras.optimizers.Optimizer):

@@ -27,8 +27,9 @@ what such an update cannot see:
 Options refused (:data:`REFUSED_OPTIONS`): Keras keeps the moving average
 inside ``optimizer.apply`` over every variable at once, which a PS applying one
 partition at a time cannot. ``gradient_accumulation_steps`` is accumulated on
-the PS (:mod:`prophet_tf.ps.accumulation`), but not with ``global_clipnorm``,
-which the PS applies to each step's sums outside ``optimizer.apply``.
+the PS (:mod:`prophet_tf.ps.accumulation`); ``clipnorm`` and ``global_clipnorm``
+take their norms over all partitions there (:mod:`prophet_tf.ps.clipping`),
+with or without accumulation.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARI
            "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "UNSUPPORTED_OPTIMIZERS",
            "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "ACCUMULATION", "MAX_ECHO_CHARS",
            "check_optimizer", "check_builtin", "check_options", "needs_whole_variables", "check_partitioning",
-           "parse_config", "comparable", "global_clipnorm", "clipnorm_on_the_ps",
+           "parse_config", "comparable", "global_clipnorm", "clipnorm",
            "loss_scaling"]
 
 #: Optional top-level key of the optimizer JSON: the variable keys the worker's
@@ -150,62 +151,27 @@ def check_options(config: dict) -> None:
             raise ValueError(f"prophet_tf cannot apply the optimizer option {option}: "
                              f"{reason}. Remove it from the optimizer. "
                              f"Received: {option}={value!r}")
-    if options.get(ACCUMULATION) and options.get("global_clipnorm"):
-        raise ValueError(
-            f"prophet_tf cannot apply {ACCUMULATION} with global_clipnorm: the PS clips each "
-            "step's summed gradients by their global norm before the optimizer sees them, "
-            "Keras the accumulated average at each N-th step. Use clipnorm or clipvalue, or "
-            f"no accumulation. Received: {ACCUMULATION}={options[ACCUMULATION]!r}, "
-            f"global_clipnorm={options['global_clipnorm']!r}")
 
 
 def needs_whole_variables(config: dict) -> bool:
-    """Whether a parsed config's update reads each variable whole: a
-    :data:`WHOLE_VARIABLE` optimizer, or ``clipnorm`` with gradient accumulation
-    (Keras clips the accumulated average inside ``apply``; without accumulation
-    the PS clips each step's sums itself, :func:`clipnorm_on_the_ps`).
-    The workers then split only variables larger than ``max_partition_bytes``
-    instead of spreading every large one over the PS tasks."""
-    options = _options(config)
-    return config.get("class_name") in WHOLE_VARIABLE or bool(
-        options.get("clipnorm") and options.get(ACCUMULATION))
+    """Whether a parsed config's update reads each variable whole (a
+    :data:`WHOLE_VARIABLE` optimizer). The workers then split only variables
+    larger than ``max_partition_bytes`` instead of spreading every large one over
+    the PS tasks."""
+    return config.get("class_name") in WHOLE_VARIABLE
 
 
-def clipnorm_on_the_ps(config: dict) -> float | None:
-    """The ``clipnorm`` the PS applies to each step's summed gradients itself, one norm
-    per variable over all its partitions (``prophet_tf.ps.clipping``): set and without
-    gradient accumulation; else None (not set, or Keras' own ``apply`` clips)."""
-    options = _options(config)
-    value = options.get("clipnorm")
-    if not value or options.get(ACCUMULATION):
-        return None
-    return float(value)
-
-
-def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int,
-                       config: dict | None = None) -> None:
-    """Refuses a whole-variable optimizer or ``clipnorm`` when a variable is split.
+def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int) -> None:
+    """Refuses a whole-variable optimizer when a variable is split.
 
     Args:
         kind: the optimizer's class name.
         split: ``VariableSpec``\\ s of the variables cut into several partitions.
         max_partition_bytes: the limit that cut them.
-        config: the serialized optimizer (for ``clipnorm``); None: not checked.
 
     Raises:
-        ValueError: ``kind`` is in :data:`WHOLE_VARIABLE`, or ``config`` sets
-            ``clipnorm``, and ``split`` is not empty.
+        ValueError: ``kind`` is in :data:`WHOLE_VARIABLE` and ``split`` is not empty.
     """
-    options = _options(config or {})
-    clipnorm = options.get("clipnorm")
-    if split and clipnorm and options.get(ACCUMULATION):
-        raise ValueError(
-            f"clipnorm with {ACCUMULATION} clips each variable's accumulated gradient "
-            f"whole but variable {split[0].key} ({split[0].name!r}) is split into element "
-            f"ranges, applied one at a time (it is larger than max_partition_bytes="
-            f"{max_partition_bytes}). Use clipvalue, no accumulation, or a "
-            f"max_partition_bytes that keeps every variable whole. Received: "
-            f"clipnorm={clipnorm!r}, {ACCUMULATION}={options[ACCUMULATION]!r}")
     if split and kind in WHOLE_VARIABLE:
         raise ValueError(
             f"optimizer={kind} needs whole variables but variable {split[0].key} "
@@ -253,12 +219,26 @@ def global_clipnorm(config: dict) -> float | None:
     Raises:
         ValueError: it is set and not a positive number; names the value.
     """
-    value = config.get("config", {}).get("global_clipnorm")
+    return _norm_option(config, "global_clipnorm")
+
+
+def clipnorm(config: dict) -> float | None:
+    """The ``clipnorm`` of a parsed config (None: not set).
+
+    Raises:
+        ValueError: it is set and not a positive number; names the value.
+    """
+    return _norm_option(config, "clipnorm")
+
+
+def _norm_option(config: dict, option: str) -> float | None:
+    # The PS clips by it (prophet_tf.ps.clipping); Keras would silently not clip by 0
+    # or less.
+    value = _options(config).get(option)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"global_clipnorm must be a positive number. "
-                         f"Received: global_clipnorm={value!r}")
+        raise ValueError(f"{option} must be a positive number. Received: {option}={value!r}")
     return float(value)
 
 

@@ -163,7 +163,7 @@ class Engine:
                              f"{len(variables) - 1}). Received: keys {sorted(initial_values)}")
         self._specs = specs = variable_specs(variables)
         scheduler = schedulers.make_scheduler(self.scheduler_name, **self.scheduler_options)
-        # Optimizers (and clipnorm) that need whole variables keep them whole on one PS.
+        # Optimizers that need whole variables keep them whole on one PS.
         whole = optimizer_policy.needs_whole_variables(
             optimizer_policy.parse_config(optimizer_config))
         self._dispatch = dispatch = Dispatch([v.native_key for v in variables], specs,

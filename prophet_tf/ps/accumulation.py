@@ -11,13 +11,25 @@ Keras zeroes *every* variable's accumulator at that update; the PS applies one
 partition per ``apply``, so the reset would drop the sums of the partitions not
 yet applied. While a partition's update is traced, :func:`one_partition` narrows
 the reset to that partition's accumulator. The accumulators are optimizer slots:
-checkpoints and saved models hold them.
+checkpoints and saved models hold them. Clipping by norms with accumulation
+reads them (:func:`accumulated`, ``clipping.py``).
 """
 from __future__ import annotations
 
 import contextlib
 
-__all__ = ["one_partition"]
+import numpy as np
+
+__all__ = ["one_partition", "accumulated"]
+
+
+def _accumulator(optimizer, variable):
+    return optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
+
+
+def accumulated(optimizer, variable) -> np.ndarray:
+    """``variable``'s accumulator: the sum of the steps since its last update."""
+    return np.asarray(_accumulator(optimizer, variable).numpy())
 
 
 @contextlib.contextmanager
@@ -29,7 +41,7 @@ def one_partition(optimizer, variable):
         return
     from keras import ops
 
-    accumulator = optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
+    accumulator = _accumulator(optimizer, variable)
 
     def reset_this_partition():
         accumulator.assign(ops.zeros(accumulator.shape, dtype=accumulator.dtype))

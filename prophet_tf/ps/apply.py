@@ -13,6 +13,9 @@ An optimizer variable shared by all variables that advances at every ``apply``
 (Nadam's ``u_product``) is rewound to its value at the start of iteration k
 before each partition's update, so it advances once per iteration, as in
 single-process Keras (:mod:`prophet_tf.per_iteration`).
+With ``clipnorm`` or ``global_clipnorm`` every update comes with its norm
+group's factor (:mod:`prophet_tf.ps.clipping`), which the traced update applies
+where Keras clips, inside ``optimizer.apply``.
 A learning rate changed on the workers (callbacks) arrives with each
 iteration's pushes; schedules run here. A step of a loss-scaled model that
 overflowed is skipped (:mod:`prophet_tf.ps.verdicts`): the partition's next
@@ -22,6 +25,7 @@ the optimizer iteration of each later step is given by the servicer.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -32,7 +36,7 @@ from typing import Callable
 import numpy as np
 
 from prophet_tf import per_iteration
-from prophet_tf.ps import accumulation, aggregation, protocol
+from prophet_tf.ps import accumulation, aggregation, clipping, protocol
 
 __all__ = ["Applier", "read"]
 
@@ -62,6 +66,7 @@ class Applier:
                  on_applied: Callable, on_failed: Callable):
         self.lock = threading.Lock()  # the optimizer and the variables
         self._optimizer = None  # set when the model is installed
+        self._clips = False  # and whether its updates take clipping factors
         self._rewinder = per_iteration.Rewinder(None)  # and its own with it
         # The rate this thread last gave the optimizer: setting it costs an
         # eager assign (about 0.3 ms), as much as a small partition's update.
@@ -81,13 +86,14 @@ class Applier:
         """The Keras optimizer that applies every partition's updates."""
         return self._optimizer
 
-    @optimizer.setter
-    def optimizer(self, optimizer) -> None:
-        # Set once, when the model is installed, before any update is queued
-        # (the servicer's state lock is held: taking self.lock here would
-        # invert the apply thread's lock order).
-        self._optimizer, self._current_learning_rate = optimizer, None
-        # Built by then (registration builds it on the partitions' variables).
+    def install(self, optimizer, clips: bool) -> None:
+        """Sets the optimizer (built on the partitions' variables), and whether every
+        update comes with a clipping factor (``submit``'s ``factor``).
+
+        Called once, when the model is installed, before any update is queued
+        (the servicer's state lock is held: taking self.lock here would invert
+        the apply thread's lock order)."""
+        self._optimizer, self._clips, self._current_learning_rate = optimizer, clips, None
         self._rewinder = per_iteration.Rewinder(optimizer)
 
     def set_learning_rate_locked(self, iteration: int, learning_rate: float) -> None:
@@ -95,35 +101,41 @@ class Applier:
         self._learning_rates[iteration] = learning_rate
 
     def submit(self, part, iteration: int, total: np.ndarray,
-               optimizer_iteration: int | None = None) -> None:
+               optimizer_iteration: int | None = None, factor: tuple | None = None) -> None:
         """Queues the sum of all workers' gradients of ``part`` at ``iteration``
         (the step), applied with the optimizer's iteration count at
-        ``optimizer_iteration`` (default: the step)."""
+        ``optimizer_iteration`` (default: the step); with clipping, scaled where
+        Keras clips by ``factor``, ``(multiplier, divisor)`` (``clipping.NormHold``)."""
+        if self._clips != (factor is not None):
+            raise ValueError(f"An update of {part.name} at step {iteration} comes "
+                             f"{'without' if self._clips else 'with'} a clipping factor, "
+                             f"and this model {'clips' if self._clips else 'does not clip'}"
+                             f". Received: factor={factor!r}")
         self._put(part, iteration, total,
-                  iteration if optimizer_iteration is None else optimizer_iteration)
+                  iteration if optimizer_iteration is None else optimizer_iteration, factor)
 
     def skip(self, part, iteration: int) -> None:
         """Queues a skipped step: ``part``'s version ``iteration + 1`` keeps its values."""
-        self._put(part, iteration, None, None)
+        self._put(part, iteration, None, None, None)
 
-    def _put(self, part, iteration, total, optimizer_iteration) -> None:
+    def _put(self, part, iteration, total, optimizer_iteration, factor) -> None:
         self._queue.put((iteration, part.spec.priority, part.plan.key, part.plan.partition,
-                         next(self._seq), part, total, optimizer_iteration))
+                         next(self._seq), part, total, optimizer_iteration, factor))
 
     def close(self) -> None:
         """Stops the thread after the queued updates."""
-        self._queue.put((math.inf, 0, 0, 0, next(self._seq), None, None, None))
+        self._queue.put((math.inf, 0, 0, 0, next(self._seq), None, None, None, None))
         self._thread.join()
 
     def _loop(self):
         while True:
-            iteration, *_, part, total, optimizer_iteration = self._queue.get()
+            iteration, *_, part, total, optimizer_iteration, factor = self._queue.get()
             if part is None:
                 return
             try:
                 with self.lock:
-                    value = (read(part) if total is None
-                             else self._apply(part, iteration, total, optimizer_iteration))
+                    value = (read(part) if total is None else
+                             self._apply(part, iteration, total, optimizer_iteration, factor))
                     encoded = protocol.encode_parameter_chunk(
                         part.plan.key, part.plan.partition, iteration + 1, part.spec.dtype,
                         value)
@@ -136,7 +148,7 @@ class Applier:
                 continue
             self._on_applied(part, iteration + 1, encoded)
 
-    def _apply(self, part, iteration, total, optimizer_iteration):
+    def _apply(self, part, iteration, total, optimizer_iteration, factor):
         with self._state_lock:
             learning_rate = self._learning_rates.get(iteration)
             for old in [i for i in self._learning_rates if i < iteration - 2]:
@@ -147,11 +159,11 @@ class Applier:
         if part.apply_fn is None:
             part.apply_fn = self._trace(part)
         self._rewinder.before_update(optimizer_iteration)
-        return part.apply_fn(total.reshape(part.shape), optimizer_iteration)
+        return part.apply_fn(total.reshape(part.shape), optimizer_iteration, factor)
 
-    def _trace(self, part) -> Callable[[np.ndarray, int], np.ndarray]:
+    def _trace(self, part) -> Callable[[np.ndarray, int, tuple | None], np.ndarray]:
         """The optimizer update of one partition as a tf.function: (sum,
-        optimizer iteration) -> the partition's new value.
+        optimizer iteration, clipping factor or None) -> the partition's new value.
 
         Traced once per partition (tens of ms), it then costs a fraction of
         eager Keras' Python overhead per call (about 4x less for Adam) and
@@ -163,19 +175,25 @@ class Applier:
 
         optimizer, variable = self._optimizer, part.variable
 
-        def apply(gradient, iteration):
+        def apply(gradient, iteration, *factor):
             # The raw step counter: with gradient_accumulation_steps Keras'
             # `iterations` is it divided by the steps (accumulation.py).
             optimizer._iterations.assign(iteration)
-            with accumulation.one_partition(optimizer, variable):
+            with contextlib.ExitStack() as patches:
+                patches.enter_context(accumulation.one_partition(optimizer, variable))
+                if factor:
+                    patches.enter_context(clipping.scaled_by(optimizer, *factor))
                 optimizer.apply([gradient], [variable])
             return variable.value.read_value()
 
         sum_dtype = tf.as_dtype(aggregation.SUM_DTYPES[part.spec.dtype])
-        fn = tf.function(apply, autograph=False, input_signature=[
-            tf.TensorSpec(part.shape, sum_dtype), tf.TensorSpec((), tf.int64)])
+        signature = [tf.TensorSpec(part.shape, sum_dtype), tf.TensorSpec((), tf.int64)]
+        if self._clips:
+            signature += [tf.TensorSpec((), tf.float32)] * 2
+        fn = tf.function(apply, autograph=False, input_signature=signature)
         # One trace per partition is by design; TF would warn about "retracing".
         fn._omit_frequent_tracing_warning = True
         concrete = fn.get_concrete_function()
-        return lambda total, iteration: np.asarray(
-            concrete(tf.constant(total), tf.constant(iteration, tf.int64)).numpy())
+        return lambda total, iteration, factor: np.asarray(concrete(
+            tf.constant(total), tf.constant(iteration, tf.int64),
+            *(tf.constant(f, tf.float32) for f in factor or ())).numpy())

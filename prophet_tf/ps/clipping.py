@@ -14,26 +14,38 @@ The PS's optimizer is rebuilt without the option (its ``apply`` sees one
 partition, whose norm is not the variable's or the step's), and
 :class:`NormHold` holds each complete sum of a step until every partition of
 its group (global: all of them; clipnorm: its variable's) has its sum here,
-then hands them on, scaled. The squared entries are added in float64, so the
-result differs from Keras' float32 reduction by rounding only.
+then hands them on with the group's factor; the apply scales the gradient by
+it where Keras clips, inside ``optimizer.apply`` (:func:`scaled_by`). The
+squared entries are added in float64, so the result differs from Keras'
+float32 reduction by rounding only.
+
+With ``gradient_accumulation_steps`` N Keras clips only at every N-th step, the
+average ``(gradient + accumulator) / N``; the other steps' gradients are
+accumulated as they are. So the hold lets those through at once, and at an
+update step it takes the norm of that average, reading each partition's
+accumulator (its previous update has been applied: this step's gradients were
+computed from the version it produced).
 
 A group with partitions on several PS tasks waits for the others' sums: once
 this task has all its partitions of such groups for a step, it sends their
 sums (one float64 per shared group) to the other tasks and releases them with
-the totals (``norm_sharing.py``). ``clipnorm`` with
-``gradient_accumulation_steps`` clips the accumulated average inside Keras'
-own ``apply``; the workers keep variables whole for it
-(``optimizer_policy.needs_whole_variables``).
+the totals (``norm_sharing.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+from typing import Callable
 
 import numpy as np
 
-__all__ = ["NormHold", "check_placement", "scale", "clip_by_norm_factor", "shared_groups"]
+__all__ = ["NormHold", "check_placement", "scale", "clip_by_norm_factor", "shared_groups",
+           "scaled_by", "UNSCALED"]
+
+#: The factor of a gradient that is not clipped: ``(multiplier, divisor)``.
+UNSCALED = (np.float32(1), np.float32(1))
 
 
 def shared_groups(partitions, per_variable: bool) -> tuple[tuple, list]:
@@ -79,9 +91,27 @@ def clip_by_norm_factor(squared_norm: float, clip: float):
     return c, np.maximum(norm, c)
 
 
+@contextlib.contextmanager
+def scaled_by(optimizer, multiplier, divisor):
+    """While tracing ``optimizer.apply``: its clipping step (``_clip_gradients``, where
+    Keras clips, after averaging accumulated gradients) multiplies each gradient by
+    ``multiplier`` and divides it by ``divisor`` (scalar tensors: the group's factor)."""
+    from keras import ops
+
+    def clip(grads):
+        return [None if g is None else (g * ops.cast(multiplier, g.dtype)) /
+                ops.cast(divisor, g.dtype) for g in grads]
+
+    optimizer._clip_gradients = clip
+    try:
+        yield
+    finally:
+        del optimizer._clip_gradients  # the class's again
+
+
 class NormHold:
     """Holds a step's complete sums until their group's norm is known; releases them
-    scaled.
+    with the group's clipping factor.
 
     Args:
         clip: the ``global_clipnorm`` or ``clipnorm``.
@@ -95,10 +125,13 @@ class NormHold:
             ``then(totals)`` with every task's added (``NormSharing.share``).
         release: with ``shared``: called with the ready list (see :meth:`add`)
             of the shared groups once their totals are known.
+        accumulation_steps: ``gradient_accumulation_steps`` (0: none).
+        accumulated: with it: a partition's accumulator, as an array.
     """
 
     def __init__(self, clip: float, per_variable: bool, local_counts: dict, shared=(),
-                 share=None, release=None):
+                 share=None, release=None, accumulation_steps: int = 0,
+                 accumulated: Callable | None = None):
         option = "clipnorm" if per_variable else "global_clipnorm"
         if not clip > 0:
             raise ValueError(f"{option} must be > 0. Received: {clip!r}")
@@ -107,7 +140,12 @@ class NormHold:
         if bool(shared) != (share is not None) or (share is None) != (release is None):
             raise ValueError("shared groups, share and release go together. Received: "
                              f"shared={list(shared)!r}, share={share!r}, release={release!r}")
+        if bool(accumulation_steps) != (accumulated is not None):
+            raise ValueError("accumulation_steps and accumulated go together. Received: "
+                             f"accumulation_steps={accumulation_steps!r}, "
+                             f"accumulated={accumulated!r}")
         self.clip, self.per_variable = float(clip), per_variable
+        self._steps, self._accumulated = accumulation_steps, accumulated
         self._counts, self._shared = dict(local_counts), tuple(shared)
         self._shared_parts = sum(local_counts.get(g, 0) for g in self._shared)
         self._share, self._release = share, release
@@ -123,12 +161,20 @@ class NormHold:
         """Records one partition's sum of ``step``.
 
         Returns:
-            ``[(part, step, scaled total, iteration)]`` for every partition of the
-            group once this was its last here and the group is this task's alone;
-            else ``[]`` (a shared group's go to ``release`` later).
+            ``[(part, step, total, iteration, (multiplier, divisor))]`` for every
+            partition of the group once this was its last here and the group is this
+            task's alone, or at once for a step Keras only accumulates (factor
+            :data:`UNSCALED`); else ``[]`` (a shared group's go to ``release`` later).
         """
+        if self._steps and (iteration + 1) % self._steps:
+            return [(part, step, total, iteration, UNSCALED)]
+        clipped = total
+        if self._steps:  # Keras clips the average of the accumulated steps
+            steps = total.dtype.type(self._steps)
+            accumulated = self._accumulated(part).astype(total.dtype).reshape(total.shape)
+            clipped = (total + accumulated) / steps
         group = self.group_of(part)
-        squared = float(np.sum(np.square(total, dtype=np.float64)))
+        squared = float(np.sum(np.square(clipped, dtype=np.float64)))
         with self._lock:
             held = self._held.setdefault(step, {}).setdefault(group, [])
             held.append((part, total, iteration))
@@ -147,9 +193,9 @@ class NormHold:
                 parts = [self._take_locked(step, g) for g in self._shared]
                 ready = None
         if ready is not None:
-            return [r for held, squared in ready for r in self._scaled(step, held, squared)]
+            return [r for held, squared in ready for r in self._with_factor(step, held, squared)]
         self._share(step, mine, lambda totals: self._release(
-            [r for held, total in zip(parts, totals) for r in self._scaled(step, held, total)]))
+            [r for held, total in zip(parts, totals) for r in self._with_factor(step, held, total)]))
         return []
 
     def _take_locked(self, step: int, group) -> list:
@@ -161,13 +207,10 @@ class NormHold:
             del self._held[step], self._squared[step]
         return held
 
-    def _scaled(self, step: int, held: list, squared: float) -> list:
-        if self.per_variable:
-            multiplier, divisor = clip_by_norm_factor(squared, self.clip)
-            return [(p, step, ((t * multiplier) / divisor).astype(t.dtype, copy=False), i)
-                    for p, t, i in held]
-        factor = scale(squared, self.clip)
-        return [(p, step, (t * factor).astype(t.dtype, copy=False), i) for p, t, i in held]
+    def _with_factor(self, step: int, held: list, squared: float) -> list:
+        factor = (clip_by_norm_factor(squared, self.clip) if self.per_variable
+                  else (scale(squared, self.clip), np.float32(1)))
+        return [(p, step, t, i, factor) for p, t, i in held]
 
     def pending(self) -> dict[int, int]:
         """Steps held, with how many partitions each has (for errors and tests)."""

@@ -37,7 +37,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from prophet_tf.ps import clipping, gather, security
+from prophet_tf.ps import accumulation, clipping, gather, security
 from prophet_tf.ps.errors import invalid, precondition
 from prophet_tf.ps.protocol import SERVICE_NAME, channel_options
 from prophet_tf.ps.v1 import ps_pb2
@@ -170,9 +170,13 @@ class NormRPCs:
         if not counts:
             return
         clip = model.clipnorm if per_variable else model.global_clipnorm
+        optimizer = model.optimizer
+        steps = getattr(optimizer, "gradient_accumulation_steps", None) or 0
+        accumulating = dict(accumulation_steps=steps, accumulated=lambda part: (
+            accumulation.accumulated(optimizer, part.variable))) if steps else {}
         mine = shared if self.ps_index in peers else ()
         if not mine:
-            self._norm_hold = clipping.NormHold(clip, per_variable, counts)
+            self._norm_hold = clipping.NormHold(clip, per_variable, counts, **accumulating)
             return
         peer_security = (security.client_security() if self._peer_security is None
                          else self._peer_security)
@@ -181,7 +185,7 @@ class NormRPCs:
             self.worker_timeout_s, lambda: self._failure, self._fail_job)
         self._norm_hold = clipping.NormHold(
             clip, per_variable, counts, mine, share=self._norm_sharing.share,
-            release=lambda ready: [self._applier.submit(*r) for r in ready])
+            release=lambda ready: [self._applier.submit(*r) for r in ready], **accumulating)
 
     def ShareNorm(self, request, context):
         return self._answer(lambda r: self._share_norm(r, context), "ShareNorm", request,

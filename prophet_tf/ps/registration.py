@@ -230,9 +230,9 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
         optimizer, no_decay = keras_optimizer.rebuild(config)
         optimizer_policy.check_partitioning(
             type(optimizer).__name__, [specs[p.key] for p in partitions if p.partition == 1],
-            limit, config)
+            limit)
         global_clipnorm = optimizer_policy.global_clipnorm(config)
-        clipnorm = optimizer_policy.clipnorm_on_the_ps(config)
+        clipnorm = optimizer_policy.clipnorm(config)
         shared, peers = clipping.shared_groups(partitions, per_variable=bool(clipnorm)) \
             if global_clipnorm or clipnorm else ((), [])
         if shared:

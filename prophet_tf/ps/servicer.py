@@ -233,7 +233,7 @@ class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs):
 
     def _install_model(self, model):
         self._model, self._parts = model, model.parts
-        self._applier.optimizer = model.optimizer
+        self._applier.install(model.optimizer, bool(model.global_clipnorm or model.clipnorm))
         if model.global_clipnorm or model.clipnorm:
             self._install_norm_hold(model)
         logger.info("Model defined: %d variables, %d partitions on PS %d (%d bytes), "

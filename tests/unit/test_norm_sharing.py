@@ -58,14 +58,18 @@ def cluster():
         servicer.close()
 
 
+@pytest.mark.parametrize("accumulation", [None, 2])
 @pytest.mark.parametrize("option", ["global_clipnorm", "clipnorm"])
-def test_several_ps_tasks_clip_by_norms_as_keras(cluster, option):
+def test_several_ps_tasks_clip_by_norms_as_keras(cluster, option, accumulation):
+    """With gradient accumulation Keras clips the average of every 2 steps' gradients:
+    step 1's (clipped) and step 3's (under the clip); steps 0 and 2 accumulate."""
     servicers, workers = cluster
     rng = np.random.default_rng(3)
     values = {k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in SHAPES.items()}
     reference_vars = [keras.Variable(values[k], name=n.split("/")[-1])
                       for k, (n, _) in SHAPES.items()]
-    make = lambda: keras.optimizers.SGD(0.1, momentum=0.9, **{option: 1.0})  # noqa: E731
+    make = lambda: keras.optimizers.SGD(  # noqa: E731
+        0.1, momentum=0.9, gradient_accumulation_steps=accumulation, **{option: 1.0})
     reference = make()
     reference.build(reference_vars)
     config = keras_optimizer.config_json(make(), reference_vars)
@@ -78,9 +82,8 @@ def test_several_ps_tasks_clip_by_norms_as_keras(cluster, option):
                                 max_partition_bytes=LIMIT)
     apply = tf.function(lambda grads: reference.apply(grads, reference_vars), autograph=False)
     by_key_partition = {(p.key, p.partition): p for p in partitions}
-    for step in range(3):
-        # Large gradients on step 0 and 2 (clipped), small on step 1 (under the clip).
-        size = 0.01 if step == 1 else 2.0
+    for step, size in enumerate([2.0, 2.0, 0.01, 0.01]):
+        # Large gradients on steps 0 and 1 (clipped), small on 2 and 3 (under the clip).
         grads = [{k: (size * rng.standard_normal(s)).astype(np.float32)
                   for k, (_, s) in SHAPES.items()} for _ in range(NUM_WORKERS)]
         for w, clients in enumerate(workers):

@@ -271,8 +271,6 @@ REFUSED_BY_BOTH = [
     (lambda: SGD(0.1), "Received: optimizer class_name='SGD', module='test_servicer', "
                        "registered_name='SGD'"),
     (lambda: keras.optimizers.Adam(use_ema=True), "Received: use_ema=True"),
-    (lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, global_clipnorm=1.0),
-     "Received: gradient_accumulation_steps=2, global_clipnorm=1.0"),
     (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
      "Received: optimizer=LossScaleOptimizer"),
 ]
@@ -323,21 +321,6 @@ def test_global_clipnorm_holds_a_step_until_every_partition_has_its_sum(make_ser
     for k in grads:
         np.testing.assert_allclose(got[k], values[k] - 2 * grads[k] * 0.5 / norm, rtol=1e-6)
     assert servicer._norm_hold.pending() == {}
-
-
-def test_clipnorm_with_accumulation_is_refused_only_when_a_variable_is_split(make_servicer):
-    """Keras clips the accumulated average inside apply: each variable whole. Without
-    accumulation the PS clips each step's sums by their variable's norm itself."""
-    servicer = make_servicer()  # LIMIT splits dense/kernel
-    clipped = keras.optimizers.SGD(0.1, clipnorm=1.0, gradient_accumulation_steps=2)
-    request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
-                                     optimizer_config=config(clipped))
-    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
-                 "'dense/kernel'", "is split into element ranges",
-                 "Received: clipnorm=1.0, gradient_accumulation_steps=2")
-    register(make_servicer(), 0, config(keras.optimizers.SGD(0.1, clipnorm=1.0)))
-    servicer = make_servicer(max_partition_bytes=1 << 20)
-    register(servicer, 0, config(clipped))
 
 
 # -------------------------------------------------------------- Push & sums

@@ -167,8 +167,7 @@ def test_non_positive_rpc_timeout_is_rejected():
 
 def test_unsupported_optimizer_options_are_named():
     import keras
-    for options in [{"use_ema": True},
-                    {"gradient_accumulation_steps": 2, "global_clipnorm": 1.0}]:
+    for options in [{"use_ema": True}]:
         with pytest.raises(ValueError, match=list(options)[0]):
             strategy_lib.optimizer_config(keras.optimizers.SGD(0.1, **options), [])
 
@@ -425,20 +424,22 @@ def test_one_worker_s_forward_all_reduce_is_its_own_sum():
     np.testing.assert_array_equal(step(tf.constant([1.0, 2.0])), [1.0, 2.0])
 
 
-def test_clipnorm_with_accumulation_keeps_variables_whole_as_whole_variable_optimizers_do():
+def test_only_whole_variable_optimizers_keep_variables_whole():
     """The workers then split only variables over max_partition_bytes (engine.start);
-    clipnorm alone spreads them: the PS tasks agree on each variable's norm."""
+    clipping by norms, with or without accumulation, spreads them: the PS tasks agree
+    on the norms."""
     import json
 
     import keras
     parse = lambda o: optimizer_policy.parse_config(keras_optimizer.config_json(o))  # noqa: E731
-    assert optimizer_policy.needs_whole_variables(parse(keras.optimizers.SGD(
-        0.1, clipnorm=1.0, gradient_accumulation_steps=2)))
-    assert not optimizer_policy.needs_whole_variables(parse(keras.optimizers.SGD(
-        0.1, clipnorm=1.0)))
-    assert optimizer_policy.clipnorm_on_the_ps(parse(keras.optimizers.SGD(0.1, clipnorm=1.0)))
-    assert optimizer_policy.clipnorm_on_the_ps(parse(keras.optimizers.SGD(
-        0.1, clipnorm=1.0, gradient_accumulation_steps=2))) is None
+    for options in [{"clipnorm": 1.0}, {"global_clipnorm": 1.0}]:
+        for accumulation in [{}, {"gradient_accumulation_steps": 2}]:
+            config = parse(keras.optimizers.SGD(0.1, **options, **accumulation))
+            assert not optimizer_policy.needs_whole_variables(config)
+            assert optimizer_policy.clipnorm(config) == options.get("clipnorm")
+            assert optimizer_policy.global_clipnorm(config) == options.get("global_clipnorm")
+    with pytest.raises(ValueError, match="Received: clipnorm=-1.0"):
+        optimizer_policy.clipnorm(parse(keras.optimizers.SGD(0.1, clipnorm=-1.0)))
     assert optimizer_policy.needs_whole_variables(parse(keras.optimizers.Lamb()))
     assert not optimizer_policy.needs_whole_variables(
         parse(keras.optimizers.SGD(0.1, clipvalue=1.0)))

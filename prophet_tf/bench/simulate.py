@@ -40,6 +40,13 @@ in lockstep, so one is simulated and every PS link is shared W ways):
 - pulls: on the first gradient of iteration k the worker asks each PS for version
   k+1 of its partitions in priority order; the PS streams them one after
   another, each when it exists (as ``PSClient.pull``).
+- answers first (colocated, as the engine by default,
+  ``prophet_tf.engine.answers_first``): before a block of step s goes to a PS
+  on another host, the worker waits, asking every ``ANSWERS_POLL_S``, until
+  the PS tasks on its own host owe no partition of version s or older to
+  workers on other hosts (a pull in progress, not yet sent). Without it a
+  worker that is ahead pushes over its PS's answers to the others and stays
+  ahead, a whole step ahead at times, which the bench does not show.
 
 Step time: iteration k's time is from its forward's start to the next one's,
 median over the iterations after ``warmup`` (the bench drops the same ones).
@@ -61,6 +68,7 @@ from prophet_tf.bench import ideal as ideal_lib
 from prophet_tf.bench import models
 from prophet_tf.bench.simulate_network import ClusterLinks, FluidSim
 from prophet_tf.engine import schedulers as schedulers_lib
+from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.engine.dispatch import Dispatch
 
 __all__ = ["simulate", "DEFAULT_RPC_OVERHEAD_S", "WARMUP_ITERATIONS"]
@@ -71,6 +79,9 @@ logger = logging.getLogger(__name__)
 #: loopback figures: ~0.1 ms per message at the client plus the PS's handling.
 DEFAULT_RPC_OVERHEAD_S = 0.0003
 WARMUP_ITERATIONS = schedulers_lib.ProphetScheduler.ITERATIONS_BEFORE_PLAN
+#: How often a worker held by answers first asks its host's PS tasks again
+#: (``AnswersFirst.POLL_S``).
+ANSWERS_POLL_S = AnswersFirst.POLL_S
 _NS = 1_000_000_000
 LAYOUTS = ideal_lib.LAYOUTS
 
@@ -84,6 +95,8 @@ class _Servers:
         self.available: dict[tuple, float] = {}  # (key, partition, version) -> time at PS
         self._pushes: dict[tuple, int] = {}
         self._waiting: dict[int, list[Callable]] = {}  # ps -> pulls to resume
+        # ps -> worker -> (version, partitions not yet sent) of its pull in progress
+        self.pulls: dict[int, dict[int, tuple[int, list]]] = {}
 
     def arrived(self, ps: int, items, at: float) -> None:
         for item in items:
@@ -99,6 +112,13 @@ class _Servers:
     def wait(self, ps: int, resume: Callable) -> None:
         self._waiting.setdefault(ps, []).append(resume)
 
+    def owed(self, ps_tasks, max_version: int, workers) -> int:
+        """Partitions the pulls in progress on ``ps_tasks`` still owe ``workers`` of
+        versions up to ``max_version`` (the PS's ``Owed``)."""
+        return sum(len(left) for ps in ps_tasks
+                   for worker, (version, left) in self.pulls.get(ps, {}).items()
+                   if worker in workers and version <= max_version)
+
 
 class _Worker:
     """One worker's engine, compute and pulls, in virtual time."""
@@ -106,7 +126,8 @@ class _Worker:
     def __init__(self, sim: FluidSim, profile: dict, dispatch: Dispatch, num_ps: int,
                  iterations: int, compute_scale: float, latency_s: float, rpc_overhead_s: float,
                  network: ClusterLinks, servers: _Servers, index: int = 0,
-                 rpc_per_byte_s: float = 0.0, finished: list | None = None):
+                 rpc_per_byte_s: float = 0.0, finished: list | None = None,
+                 answers_first: bool = True):
         self.sim, self.dispatch, self.servers = sim, dispatch, servers
         self.push_links = [network.push_links(index, ps) for ps in range(num_ps)]
         self.pull_links = [network.pull_links(index, ps) for ps in range(num_ps)]
@@ -120,6 +141,13 @@ class _Worker:
         self.owned = [dispatch.pull_order(i) for i in range(num_ps)]
         self.pull_queue: list[list[int]] = [[] for _ in range(num_ps)]  # versions asked for
         self.pulling = [False] * num_ps
+        self.index = index
+        # Answers first (the engine's default): the PS tasks on this worker's host,
+        # and the workers on other hosts they may owe answers to.
+        self.local_ps = network.local_ps(index, num_ps)
+        self.other_workers = (set(range(network.workers)) - {index}
+                              if self.local_ps and answers_first else set())
+        self.cleared = -1  # pushes of steps up to this one go without asking
         self.blocked = False  # the forward waits for a parameter
         self.arrived: dict[tuple[int, int], int] = {}  # (key, version) -> partitions in
         self.starts: list[float] = []
@@ -181,6 +209,12 @@ class _Worker:
 
     def _send(self, block) -> None:
         ps = block[0].ps_index
+        step = min(item.iteration for item in block)
+        if self.other_workers and ps not in self.local_ps and step > self.cleared:
+            if self.servers.owed(self.local_ps, step, self.other_workers):
+                self.sim.at(self.sim.now + ANSWERS_POLL_S, lambda: self._send(block))
+                return
+            self.cleared = step
         start = self.sim.now
         nbytes = sum(item.nbytes for item in block)
         self.pushed_bytes += nbytes
@@ -210,10 +244,13 @@ class _Worker:
     def _pull(self, ps: int, version: int, left: list) -> None:
         """The PS streams each partition of ``version`` once it is applied; of
         those applied, the most urgent first (``left`` is in priority order)."""
+        in_progress = self.servers.pulls.setdefault(ps, {})
         if not left:
+            in_progress.pop(self.index, None)
             self.pulling[ps] = False
             self._next_pull(ps)
             return
+        in_progress[self.index] = (version, left)  # what this PS still owes (answers first)
         times = [self.servers.available.get((p.key, p.partition, version)) for p in left]
         ready = [i for i, t in enumerate(times) if t is not None and t <= self.sim.now]
         if not ready:
@@ -257,7 +294,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
              compute_s: float | None = None, rpc_overhead_s: float = DEFAULT_RPC_OVERHEAD_S,
              rpc_per_byte_s: float = 0.0, scheduler_options: dict | None = None, layout: str = "dedicated",
              framing: float = ideal_lib.TCP_FRAMING, share_sigma: float = 0.0,
-             seed: int = 0) -> dict:
+             seed: int = 0, answers_first: bool = True) -> dict:
     """Simulates training with one scheduler; returns step times and the ideal bound.
 
     Args:
@@ -283,6 +320,9 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
         ``simulate_network.FluidSim``), drawn from a generator seeded with
         ``seed``. In the dedicated layout one worker stands for all, so the
         workers cannot drift apart there.
+      answers_first: colocated, a worker holds its pushes to other hosts while
+        its host's PS tasks owe the other hosts' workers answers, as the engine
+        does unless ``PROPHET_TF_ANSWERS_FIRST=0`` (see the module docstring).
 
     Returns:
       ``{"scheduler", "step_time_s", "step_times_s", "ideal_step_time_s", "ideal",
@@ -322,7 +362,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
         dispatch = Dispatch([spec.key for spec in specs], specs, num_ps, s)
         simulated.append(_Worker(sim, profile, dispatch, num_ps, iterations, scale,
                                  latency_ms / 1e3, rpc_overhead_s, network, servers, index,
-                                 rpc_per_byte_s, finished))
+                                 rpc_per_byte_s, finished, answers_first))
         sim.at(0.0, simulated[-1].start)
     worker = simulated[0]
     sim.run(until=lambda: len(finished) == len(simulated))  # checked at every event: O(1)

@@ -285,7 +285,9 @@ def validate(bench: dict, profile: dict,
             rpc_overhead_s=costs["overhead_s"], rpc_per_byte_s=costs["per_byte_s"],
             scheduler_options=options, layout=layout,
             framing=config.get("ideal", {}).get("framing", 1.0),
-            share_sigma=sigma, seed=seed)
+            share_sigma=sigma, seed=seed,
+            # As the run did (bench runs record it; older ones ran with it on).
+            answers_first=config.get("answers_first") is not False)
             for seed in range(seeds if sigma else 1)]
         predicted = [run["step_time_s"] for run in runs]
         step = statistics.median(predicted)

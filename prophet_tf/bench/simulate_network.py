@@ -373,6 +373,12 @@ class ClusterLinks:
                 self.capacity["ps", ps, "up"] = bytes_per_s / workers
                 self.capacity["ps", ps, "down"] = bytes_per_s / workers
 
+    def local_ps(self, worker: int, num_ps: int) -> list[int]:
+        """The PS tasks on ``worker``'s host (none in the dedicated layout)."""
+        if self.layout == "dedicated":
+            return []
+        return [ps for ps in range(num_ps) if ps % self.workers == worker]
+
     def push_links(self, worker: int, ps: int) -> tuple:
         if self.layout == "dedicated":
             return (("w", worker, "up"), ("ps", ps, "down"))

@@ -24,7 +24,7 @@ every worker and PS process:
   GIL would be counted too (none of grpcio's waits does).
 
 Per step: the window's CPU times the bench's step time over the window.
-``py-spy`` is not a dependency of the project: ``pip install py-spy``.
+``py-spy`` comes with the ``profile`` extra: ``pip install -e ".[profile]"``.
 """
 from __future__ import annotations
 
@@ -231,7 +231,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not os.path.exists(args.py_spy):
-        parser.error(f"py-spy not found (pip install py-spy). Received: --py-spy {args.py_spy}")
+        parser.error("py-spy not found (pip install -e \".[profile]\"). "
+                     f"Received: --py-spy {args.py_spy}")
     runs = []
     with tempfile.TemporaryDirectory(prefix="prophet-tf-profile-") as work:
         for scheduler in args.schedulers.split(","):

@@ -16,8 +16,12 @@ what such an update cannot see:
 * :data:`ELEMENTWISE` optimizers update an element range from that range
   alone: exact on any partitioning.
 * :data:`WHOLE_VARIABLE` optimizers (norms or factorisations over a tensor)
-  are exact only while no variable is split; the PS checks
-  that at Register (:func:`check_partitioning`).
+  keep each variable's partitions on one PS task; of them, :data:`TWO_PHASE`
+  ones (Lamb: a norm of the weights and one of the update) are applied in
+  two phases over a variable cut into several partitions
+  (:mod:`prophet_tf.ps.lamb`), the others (Adafactor's factored moments) are
+  exact only while no variable is cut: the PS checks that at Register
+  (:func:`check_partitioning`).
 * :data:`PER_ITERATION`: elementwise, but with state shared by all variables
   that every ``apply`` advances (Nadam's ``u_product``); the PS rewinds it
   before each partition's update, so it advances once per iteration
@@ -36,7 +40,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-__all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE",
+__all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE", "TWO_PHASE",
            "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "UNSUPPORTED_OPTIMIZERS",
            "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "ACCUMULATION", "MAX_ECHO_CHARS",
            "check_optimizer", "check_builtin", "check_options", "needs_whole_variables", "check_partitioning",
@@ -57,6 +61,8 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax
                "Lion")
 #: Optimizers that need a whole variable (norms/factorisations over it).
 WHOLE_VARIABLE = ("Lamb", "Adafactor")
+#: Whole-variable optimizers the PS applies in two phases over a cut variable.
+TWO_PHASE = ("Lamb",)
 #: Elementwise optimizers with state shared by all variables that every
 #: ``apply`` advances (prophet_tf.per_iteration).
 PER_ITERATION = ("Nadam",)
@@ -162,7 +168,8 @@ def needs_whole_variables(config: dict) -> bool:
 
 
 def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int) -> None:
-    """Refuses a whole-variable optimizer when a variable is split.
+    """Refuses a whole-variable optimizer that is not :data:`TWO_PHASE` when a
+    variable is split.
 
     Args:
         kind: the optimizer's class name.
@@ -170,14 +177,16 @@ def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int) -> 
         max_partition_bytes: the limit that cut them.
 
     Raises:
-        ValueError: ``kind`` is in :data:`WHOLE_VARIABLE` and ``split`` is not empty.
+        ValueError: ``kind`` is in :data:`WHOLE_VARIABLE`, not in :data:`TWO_PHASE`,
+            and ``split`` is not empty.
     """
-    if split and kind in WHOLE_VARIABLE:
+    if split and kind in WHOLE_VARIABLE and kind not in TWO_PHASE:
         raise ValueError(
             f"optimizer={kind} needs whole variables but variable {split[0].key} "
             f"({split[0].name!r}) is split into element ranges (it is larger than "
             f"max_partition_bytes={max_partition_bytes}). Use an elementwise optimizer "
-            f"({', '.join(ELEMENTWISE)}) or a larger max_partition_bytes. "
+            f"({', '.join(ELEMENTWISE)}), {' or '.join(TWO_PHASE)}, or a larger "
+            "max_partition_bytes. "
             f"Received: optimizer={kind}")
 
 

@@ -36,7 +36,7 @@ from typing import Callable
 import numpy as np
 
 from prophet_tf import per_iteration
-from prophet_tf.ps import accumulation, aggregation, clipping, protocol
+from prophet_tf.ps import accumulation, aggregation, clipping, lamb, protocol
 
 __all__ = ["Applier", "read"]
 
@@ -76,6 +76,7 @@ class Applier:
         # iteration -> the learning rate the workers trained it with (set by
         # callbacks on the workers; absent: the optimizer's own).
         self._learning_rates: dict[int, float] = {}
+        self._ratios = lamb.Ratios()  # Lamb's cut variables (apply thread only)
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
@@ -134,11 +135,17 @@ class Applier:
                 return
             try:
                 with self.lock:
-                    value = (read(part) if total is None else
-                             self._apply(part, iteration, total, optimizer_iteration, factor))
-                    encoded = protocol.encode_parameter_chunk(
-                        part.plan.key, part.plan.partition, iteration + 1, part.spec.dtype,
-                        value)
+                    if total is None:
+                        applied = [(part, read(part))]
+                    elif part.lamb_partitions > 1:
+                        applied = self._apply_lamb(part, iteration, total, optimizer_iteration,
+                                                   factor)
+                    else:
+                        applied = [(part, self._apply(part, iteration, total,
+                                                      optimizer_iteration, factor))]
+                    encoded = [(p, protocol.encode_parameter_chunk(
+                        p.plan.key, p.plan.partition, iteration + 1, p.spec.dtype, value))
+                        for p, value in applied]
             except Exception as e:  # keep serving other partitions; report on this one
                 logger.exception("Optimizer update of %s at step %d failed", part.name,
                                  iteration)
@@ -146,20 +153,58 @@ class Applier:
                                 f"The optimizer update of {part.name} at step {iteration} "
                                 f"failed on the PS: {type(e).__name__}: {e}")
                 continue
-            self._on_applied(part, iteration + 1, encoded)
+            for p, chunk in encoded:
+                self._on_applied(p, iteration + 1, chunk)
 
-    def _apply(self, part, iteration, total, optimizer_iteration, factor):
+    def _set_learning_rate(self, iteration: int) -> None:
         with self._state_lock:
             learning_rate = self._learning_rates.get(iteration)
             for old in [i for i in self._learning_rates if i < iteration - 2]:
                 del self._learning_rates[old]
         if learning_rate is not None and learning_rate != self._current_learning_rate:
-            self._optimizer.learning_rate = learning_rate  # Read inside apply_fn.
+            self._optimizer.learning_rate = learning_rate  # Read inside the traced update.
             self._current_learning_rate = learning_rate
+
+    def _apply(self, part, iteration, total, optimizer_iteration, factor):
+        self._set_learning_rate(iteration)
         if part.apply_fn is None:
             part.apply_fn = self._trace(part)
         self._rewinder.before_update(optimizer_iteration)
         return part.apply_fn(total.reshape(part.shape), optimizer_iteration, factor)
+
+    def _apply_lamb(self, part, iteration, total, optimizer_iteration, factor) -> list:
+        """A partition of a variable Lamb updates over several partitions
+        (:mod:`prophet_tf.ps.lamb`): its first phase; after the variable's last
+        partition of the step, every partition's second: ``[(part, value)]`` to
+        publish, or ``[]`` until then."""
+        import tensorflow as tf  # loaded by the first Register
+
+        self._set_learning_rate(iteration)
+        if part.lamb is None:
+            part.lamb = lamb.LambPartition(
+                self._optimizer, part.variable,
+                tf.TensorSpec(part.shape, aggregation.SUM_DTYPES[part.spec.dtype]),
+                self._clips, self._patches(part.variable))
+        ready = self._ratios.add(part, iteration,
+                                 *part.lamb.moments(total.reshape(part.shape),
+                                                    optimizer_iteration, factor))
+        if ready is None:
+            return []
+        return [(p, read(p) if r is None else p.lamb.finish(r)) for p, r in ready]
+
+    def _patches(self, variable):
+        """``(*factor) -> ExitStack`` of what a partition's traced update runs under:
+        accumulation's reset narrowed to it, and with a clipping factor, the factor
+        where Keras clips."""
+        optimizer = self._optimizer
+
+        def enter(*factor):
+            stack = contextlib.ExitStack()
+            stack.enter_context(accumulation.one_partition(optimizer, variable))
+            if factor:
+                stack.enter_context(clipping.scaled_by(optimizer, *factor))
+            return stack
+        return enter
 
     def _trace(self, part) -> Callable[[np.ndarray, int, tuple | None], np.ndarray]:
         """The optimizer update of one partition as a tf.function: (sum,
@@ -175,14 +220,13 @@ class Applier:
 
         optimizer, variable = self._optimizer, part.variable
 
+        patches = self._patches(variable)
+
         def apply(gradient, iteration, *factor):
             # The raw step counter: with gradient_accumulation_steps Keras'
             # `iterations` is it divided by the steps (accumulation.py).
             optimizer._iterations.assign(iteration)
-            with contextlib.ExitStack() as patches:
-                patches.enter_context(accumulation.one_partition(optimizer, variable))
-                if factor:
-                    patches.enter_context(clipping.scaled_by(optimizer, *factor))
+            with patches(*factor):
                 optimizer.apply([gradient], [variable])
             return variable.value.read_value()
 

@@ -57,6 +57,10 @@ class Part:
     encoded: bytes | None = None  # ParameterChunk of `version`, shared by pullers
     failed: str | None = None
     apply_fn: object = None  # traced optimizer update of this partition
+    # Lamb over a variable of several partitions: their count, and this one's two
+    # traced phases (prophet_tf.ps.lamb); 1 and None otherwise.
+    lamb_partitions: int = 1
+    lamb: object = None
 
     @property
     def name(self):
@@ -266,6 +270,9 @@ def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
         variable = keras.Variable(np.zeros(shape, dtype), dtype=spec.dtype, trainable=True,
                                   name=leaf or f"variable_{p.key}")
         parts[p.key, p.partition] = Part(spec, p, shape, dtype, variable)
+        if type(model.optimizer).__name__ in optimizer_policy.TWO_PHASE:
+            parts[p.key, p.partition].lamb_partitions = sum(
+                q.key == p.key for q in model.partitions)
     excluded = [part.variable for part in parts.values() if part.plan.key in no_decay]
     if excluded:
         model.optimizer.exclude_from_weight_decay(var_list=excluded)

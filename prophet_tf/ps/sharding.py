@@ -24,9 +24,10 @@ ResNet 1x1 kernel (one row), a bias or an embedding are cut alike. Two rules:
    ``optimizer_policy.needs_whole_variables``): a variable of more than
    ``max_partition_bytes`` is cut into the fewest element ranges of at most
    that size, their lengths differing by at most one element; the others stay
-   whole. Partitions are placed largest first on the least-loaded PS task
-   (ties: the lower PS index; equal sizes: lower key, then lower partition
-   index): LPT, so two PS loads differ by at most the largest partition.
+   whole. Variables are placed largest first on the least-loaded PS task
+   (ties: the lower PS index; equal sizes: the lower key), a cut one with all
+   its partitions, so that its norms are one PS task's to take (Lamb's):
+   LPT, so two PS loads differ by at most the largest variable.
 
 Why ``DEFAULT_MAX_PARTITION_BYTES`` is 4 MiB: a partition is the unit the
 scheduler orders and the PS applies, so it bounds how long urgent traffic
@@ -183,14 +184,15 @@ def _whole(sizes, num_ps: int, max_partition_bytes: int) -> list[Partition]:
         parts = _parts_whole(count, itemsize, max_partition_bytes)
         for index, (begin, end) in enumerate(_even_split(count, parts)):
             pieces.append((key, index, begin, end, (end - begin) * itemsize))
-    # LPT: largest first onto the least-loaded PS; heap entries (load, ps_index).
+    # LPT over variables: largest first onto the least-loaded PS; heap entries
+    # (load, ps_index).
     loads = [(0, ps) for ps in range(num_ps)]
     owner = {}
-    for key, index, _, _, nbytes in sorted(pieces, key=lambda p: (-p[4], p[0], p[1])):
+    for key, count, itemsize in sorted(sizes, key=lambda v: (-v[1] * v[2], v[0])):
         load, ps = heapq.heappop(loads)
-        owner[key, index] = ps
-        heapq.heappush(loads, (load + nbytes, ps))
-    return [Partition(key, index, owner[key, index], begin, end, nbytes)
+        owner[key] = ps
+        heapq.heappush(loads, (load + count * itemsize, ps))
+    return [Partition(key, index, owner[key], begin, end, nbytes)
             for key, index, begin, end, nbytes in pieces]
 
 

@@ -86,14 +86,18 @@ def test_keys_are_mapped_and_bad_gradients_change_nothing():
 
 
 def test_a_gradient_is_released_once_all_its_partitions_are_serialized():
-    d = make("p3", slice_bytes=1000)
+    d = make("p3", slice_bytes=1000)  # variable 30 in 4 slices, all on one PS task
     d.add(30, 0, 0, payload="g")
-    blocks = d.next_blocks(0)
-    assert [len(b) for b in blocks] == [1] * 4  # two per link: the window
-    assert [d.release(b) for b in blocks] == [[], [], [], ["g"]]
-    assert not d.idle  # still in flight
-    for block in blocks:
+    first = d.next_blocks(0)
+    assert [len(b) for b in first] == [1, 1]  # the link's window: two blocks
+    assert [d.release(b) for b in first] == [[], []]
+    for block in first:
         d.on_sent(block, 0, 1)
+    rest = d.next_blocks(1)
+    assert [d.release(b) for b in rest] == [[], ["g"]]  # with its last slice
+    assert not d.idle  # still in flight
+    for block in rest:
+        d.on_sent(block, 1, 2)
     assert d.idle
 
 

@@ -26,8 +26,9 @@ SHAPE = (4, 3)  # 12 elements of 4 bytes, in two partitions of 6
 
 
 def make_dispatch(name="p3"):
-    # 24-byte slices cut the variable into two partitions, one per PS (not
-    # balanced further: the tests name the two).
+    # 24-byte slices cut the variable into two partitions (not balanced
+    # further: the tests name the two), both on PS 0 (the whole rule keeps a
+    # variable's partitions together).
     specs = [ps_pb2.VariableSpec(key=0, name="w", shape=SHAPE, dtype="float32", priority=0)]
     options = {"slice_bytes": 24} if name == "p3" else {}
     return Dispatch([NATIVE_KEY], specs, 2, schedulers.make_scheduler(name, **options),
@@ -40,7 +41,7 @@ def engine():
     _native.declare_param(NATIVE_KEY, tf.float32, SHAPE)
     dispatch = make_dispatch()
     parts = dispatch.partitions_of[0]
-    assert parts == [sharding.Partition(0, 0, 0, 0, 6, 24), sharding.Partition(0, 1, 1, 6, 12, 24)]
+    assert parts == [sharding.Partition(0, 0, 0, 0, 6, 24), sharding.Partition(0, 1, 0, 6, 12, 24)]
     yield Assembler(_native, dispatch), parts
     _native.reset()
 
@@ -56,7 +57,7 @@ def staged(version):
 
 def test_partitions_are_assembled_and_published_once_all_arrived(engine):
     e, parts = engine
-    e.deliver(chunk(1, 3), parts[1], 3)  # any order, from either PS
+    e.deliver(chunk(1, 3), parts[1], 3)  # in any order
     assert _native.param_version(NATIVE_KEY) is None
     e.deliver(chunk(0, 4), parts[0], 3)  # a newer version is fine
     np.testing.assert_array_equal(
@@ -97,7 +98,9 @@ def test_a_second_gradient_for_the_same_variable_and_iteration_fails_and_keeps_t
     grad = e._dispatch.payload(schedulers.ReadyItem(0, 0, 0, 0, 0, 24, 0))
     assert grad.dtype == "float32" and grad.view().tolist() == [1.0] * 12  # the first, readable
     assert _native.outstanding_grads() == 1  # the second was released
-    assert [len(q.get_nowait()) for q in e._send_queues] == [1, 1]  # the first is sent
+    # The first is sent: both partitions to PS 0, one block each (the window).
+    assert [len(e._send_queues[0].get_nowait()) for _ in parts] == [1, 1]
+    assert e._send_queues[1].empty()
     assert asked == [1]  # version 1 asked for
 
 

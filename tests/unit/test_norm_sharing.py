@@ -4,6 +4,7 @@ Three PS servicers on real gRPC servers in this process and two workers' real cl
 (register_all, pushes, pulls); the PS tasks call task 0's ShareNorm over gRPC. The
 applied values equal Keras' SGD with global_clipnorm, or clipnorm, on whole variables.
 """
+import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -15,7 +16,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import ps_helpers  # noqa: E402
-from prophet_tf import keras_optimizer  # noqa: E402
+from prophet_tf import keras_optimizer, optimizer_policy  # noqa: E402
 from prophet_tf.ps import client as client_lib, clipping, norm_sharing, sharding  # noqa: E402
 from prophet_tf.ps.server import create_server  # noqa: E402
 from prophet_tf.ps.servicer import ParameterServerServicer  # noqa: E402
@@ -63,20 +64,39 @@ def cluster():
 def test_several_ps_tasks_clip_by_norms_as_keras(cluster, option, accumulation):
     """With gradient accumulation Keras clips the average of every 2 steps' gradients:
     step 1's (clipped) and step 3's (under the clip); steps 0 and 2 accumulate."""
+    partitions = train_as_keras(cluster, lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, gradient_accumulation_steps=accumulation, **{option: 1.0}))
+    assert {p.ps_index for p in partitions} == set(range(NUM_PS))  # every task shares
+    assert len({p.key for p in partitions if p.ps_index == 1}) > 1  # and splits variables
+    assert clipping.shared_groups(partitions, option == "clipnorm")[1] == [0, 1, 2]
+
+
+def test_lamb_with_global_clipnorm_over_several_ps_tasks_as_keras(cluster):
+    """Lamb keeps each variable on one task (its cut kernels' trust ratio is that task's
+    to take: prophet_tf.ps.lamb); the step's clipping norm spans the tasks."""
+    partitions = train_as_keras(cluster, lambda: keras.optimizers.Lamb(
+        0.01, weight_decay=0.01, global_clipnorm=1.0))
+    owners = {}
+    for p in partitions:
+        owners.setdefault(p.key, set()).add(p.ps_index)
+    assert all(len(tasks) == 1 for tasks in owners.values())
+    assert sum(p.key == 0 for p in partitions) > 1  # dense/kernel is cut
+    assert len({p.ps_index for p in partitions}) > 1
+
+
+def train_as_keras(cluster, make):
+    """Two workers' pushes for 4 steps through the real clients, every pulled value
+    against Keras applying their sums to whole variables; returns the partitions."""
     servicers, workers = cluster
     rng = np.random.default_rng(3)
     values = {k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in SHAPES.items()}
     reference_vars = [keras.Variable(values[k], name=n.split("/")[-1])
                       for k, (n, _) in SHAPES.items()]
-    make = lambda: keras.optimizers.SGD(  # noqa: E731
-        0.1, momentum=0.9, gradient_accumulation_steps=accumulation, **{option: 1.0})
     reference = make()
     reference.build(reference_vars)
     config = keras_optimizer.config_json(make(), reference_vars)
-    partitions = sharding.plan(SPECS, NUM_PS, LIMIT, spread=True)
-    assert {p.ps_index for p in partitions} == set(range(NUM_PS))  # every task shares
-    assert len({p.key for p in partitions if p.ps_index == 1}) > 1  # and splits variables
-    assert clipping.shared_groups(partitions, option == "clipnorm")[1] == [0, 1, 2]
+    spread = not optimizer_policy.needs_whole_variables(json.loads(config))
+    partitions = sharding.plan(SPECS, NUM_PS, LIMIT, spread=spread)
     for w, clients in enumerate(workers):
         client_lib.register_all(clients, SPECS, config, values if w == 0 else None, timeout=60,
                                 max_partition_bytes=LIMIT)
@@ -102,7 +122,8 @@ def test_several_ps_tasks_clip_by_norms_as_keras(cluster, option, accumulation):
             np.testing.assert_allclose(got[k], variable.numpy(), rtol=1e-6, atol=1e-7,
                                        err_msg=f"step {step}, variable {k}")
     # Task 0 answered each step's round; nothing is held.
-    assert all(s._norm_hold.pending() == {} for s in servicers)
+    assert all(s._norm_hold.pending() == {} for s in servicers if s._norm_hold)
+    return partitions
 
 
 def test_share_norm_is_refused_where_there_is_no_agreement(cluster):

@@ -293,11 +293,13 @@ def test_worker_and_ps_refuse_an_optimizer_with_the_same_message(make_servicer, 
 def test_a_whole_variable_optimizer_is_refused_only_when_a_variable_is_split(make_servicer):
     servicer = make_servicer()  # LIMIT splits dense/kernel
     request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
-                                     optimizer_config=config(keras.optimizers.Lamb()))
+                                     optimizer_config=config(keras.optimizers.Adafactor()))
     expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
-                 "'dense/kernel'", "is split into element ranges", "Received: optimizer=Lamb")
+                 "'dense/kernel'", "is split into element ranges",
+                 "Received: optimizer=Adafactor")
     servicer = make_servicer(max_partition_bytes=1 << 20)
-    register(servicer, 0, config(keras.optimizers.Lamb()))
+    register(servicer, 0, config(keras.optimizers.Adafactor()))
+    register(make_servicer(), 0, config(keras.optimizers.Lamb()))  # two phases: below
 
 
 def test_global_clipnorm_holds_a_step_until_every_partition_has_its_sum(make_servicer):
@@ -721,6 +723,20 @@ def test_updates_equal_single_process_keras(make_servicer, make_optimizer):
     _check_updates_equal_single_process_keras(make_servicer, make_optimizer)
 
 
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: keras.optimizers.Lamb(0.01),
+    lambda: keras.optimizers.Lamb(lr_schedule(), weight_decay=0.01),
+    lambda: keras.optimizers.Lamb(0.01, global_clipnorm=1.0),
+    lambda: keras.optimizers.Lamb(0.01, clipnorm=0.5, gradient_accumulation_steps=2),
+], ids=["lamb", "lamb-schedule-decay", "lamb-global-clipnorm", "lamb-clipnorm-accumulate-2"])
+def test_lamb_takes_its_ratio_over_every_partition_of_a_cut_variable(make_servicer,
+                                                                      make_optimizer):
+    """dense/kernel in three element ranges: each moves by the whole variable's trust
+    ratio (prophet_tf.ps.lamb), as Keras' Lamb moves the whole variable."""
+    _check_updates_equal_single_process_keras(make_servicer, make_optimizer, limit=LIMIT,
+                                              cut=SHAPES[0][0])
+
+
 @pytest.mark.parametrize("name", sorted(optimizer_policy.SUPPORTED_OPTIMIZERS))
 def test_every_builtin_optimizer_with_a_schedule_and_weight_decay(make_servicer, name):
     """Each optimizer the policy supports, its rate from a schedule and decaying weights."""
@@ -740,12 +756,18 @@ def test_the_policy_names_every_keras_builtin_optimizer():
         config(keras.optimizers.Muon())
 
 
-def _check_updates_equal_single_process_keras(make_servicer, make_optimizer):
-    """Two workers' pushes for 4 steps, against Keras applying their sum to whole variables."""
+def _check_updates_equal_single_process_keras(make_servicer, make_optimizer, limit=None,
+                                              cut=None):
+    """Two workers' pushes for 4 steps, against Keras applying their sum to whole variables
+    (``cut``: the name of a variable that must be in several partitions)."""
     optimizer = make_optimizer()
-    whole = optimizer_policy.needs_whole_variables(keras.optimizers.serialize(optimizer))
-    limit = 1 << 20 if whole else LIMIT
+    if limit is None:
+        whole = optimizer_policy.needs_whole_variables(keras.optimizers.serialize(optimizer))
+        limit = 1 << 20 if whole else LIMIT
     partitions = sharding.plan(specs(), 1, limit, spread=True)
+    if cut is not None:
+        key = next(k for k, (name, _) in SHAPES.items() if name == cut)
+        assert sum(p.key == key for p in partitions) > 1
     servicer = make_servicer(max_partition_bytes=limit)
     values = initial(3)
     reference_vars = [keras.Variable(values[k], name=name.split("/")[-1])

@@ -68,9 +68,10 @@ def test_whole_rule_cuts_only_what_exceeds_the_limit_into_even_ranges(specs, num
         sizes = [p.num_elements for p in mine]
         assert max(sizes) - min(sizes) <= 1
         assert all(p.nbytes <= max(limit, itemsize) for p in mine)
-    # LPT: two PS loads differ by at most the largest partition.
+        assert len({p.ps_index for p in mine}) == 1  # a variable's norms on one PS
+    # LPT over variables: two PS loads differ by at most the largest variable.
     spread = loads(parts, num_ps)
-    assert max(spread) - min(spread) <= max(p.nbytes for p in parts)
+    assert max(spread) - min(spread) <= max(nbytes(s) for s in specs)
 
 
 @settings(max_examples=300, deadline=None)

@@ -288,6 +288,8 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             # reduces those after the tape) but a forward-pass all_reduce, as
             # BatchNormalization(synchronized=True) makes.
             return self._forward_all_reduce(value_destination_pairs)
+        if not checks.reduces_gradients():
+            return self._replica_all_reduce(reduce_op, value_destination_pairs)
         # The gradients, before Keras joins them in one IdentityN: each push
         # below depends on its own gradient only, so pushes overlap backprop.
         values = [value for value, _ in value_destination_pairs]
@@ -297,6 +299,16 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         self._step_value = self._step.read_value()
         self._step.assign_add(1)
         return values
+
+    def _replica_all_reduce(self, reduce_op, value_destination_pairs):
+        """A ReplicaContext.all_reduce that the step function (or a layer) makes outside
+        a gradient tape, of other values than the gradients: the whole cluster's sum
+        (or mean) on every worker, through PS task 0 as ``Strategy.reduce``'s."""
+        values = [value for value, _ in value_destination_pairs]
+        if self.cluster.num_workers == 1:
+            return values
+        return self.exchange.reduce(values, mean=reduce_util.ReduceOp(reduce_op)
+                                    == reduce_util.ReduceOp.MEAN)
 
     def _forward_all_reduce(self, value_destination_pairs):
         """A replica context's all_reduce inside the forward pass: one worker's

@@ -1,6 +1,7 @@
 """What prophet_tf.Strategy checks of what Keras and TensorFlow hand it: the data of a
-train step, input options, XLA, a LossScaleOptimizer's own apply, the variables it may
-adopt and the optimizer behind an update."""
+train step, input options, XLA, a LossScaleOptimizer's own apply, an optimizer's
+reduction of its gradients, the variables it may adopt and the optimizer behind an
+update."""
 from __future__ import annotations
 
 import sys
@@ -12,7 +13,7 @@ from tensorflow.python.ops import control_flow_util
 from prophet_tf import _keras_compat, loss_scaling
 
 __all__ = ["FLOAT_DTYPES", "rows_of", "check_replication_mode", "reject_xla",
-           "unhandled_loss_scale_optimizer", "is_plain_resource_variable",
+           "unhandled_loss_scale_optimizer", "reduces_gradients", "is_plain_resource_variable",
            "may_become_ps_variable", "optimizer_of"]
 
 #: The dtypes of variables the PS trains.
@@ -53,6 +54,25 @@ def unhandled_loss_scale_optimizer():
             return owner
         frame = frame.f_back
     return None
+
+
+#: The functions through which Keras 3 (``_all_reduce_sum_gradients``) and tf_keras
+#: (``all_reduce_sum_gradients``, ``_all_reduce_sum_fn``) all-reduce an optimizer's
+#: gradients.
+_GRADIENT_REDUCTIONS = frozenset({"_all_reduce_sum_gradients", "all_reduce_sum_gradients",
+                                  "_all_reduce_sum_fn"})
+
+
+def reduces_gradients() -> bool:
+    """Whether the all-reduce being served is an optimizer's, of its gradients (one of
+    :data:`_GRADIENT_REDUCTIONS` is on this thread's stack, while tracing), not one a
+    layer or the user's step function asked for."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _GRADIENT_REDUCTIONS:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def is_plain_resource_variable(variable) -> bool:

@@ -11,7 +11,8 @@ One model and one Adam optimizer go through, in this order:
   3. a custom training loop in the shape of TensorFlow's tutorial: strategy.run of a
      step that calls optimizer.apply_gradients on tf.nn.compute_average_loss(...,
      global_batch_size=GLOBAL_BATCH), strategy.reduce(SUM) of the loss and
-     strategy.gather of the labels.
+     strategy.gather of the labels; in the step, after the update, the replica
+     context's all_reduce (sum, mean) of the loss and all_gather of the labels.
   4. evaluate and predict over distributed datasets, and a tf.train.Checkpoint of the
      model and the optimizer (DIR/<name>-checkpoint).
 --keras tf_keras builds and trains the model with tf_keras (Keras 2) instead.
@@ -134,23 +135,33 @@ def custom_loop(strategy, model, keras, global_batches) -> dict:
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             accuracy.update_state(labels, logits)
-            return loss, labels
+            # Not the optimizer's: every replica gets the cluster's sum, mean, rows.
+            context = tf.distribute.get_replica_context()
+            replica = (context.all_reduce("sum", loss),
+                       context.all_reduce("mean", loss) * context.num_replicas_in_sync,
+                       context.all_gather(labels, axis=0))
+            return loss, labels, replica
 
-        loss, labels = strategy.run(step_fn, args=(inputs,))
+        loss, labels, replica = strategy.run(step_fn, args=(inputs,))
         return (strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
-                strategy.gather(labels, axis=0))
+                strategy.gather(labels, axis=0),
+                [strategy.experimental_local_results(t)[0] for t in replica])
 
-    losses, gathered, accuracies = [], [], []
+    losses, gathered, accuracies, in_replica = [], [], [], []
     for inputs in strategy.experimental_distribute_dataset(global_batches):
-        loss, labels = train_step(inputs)
+        loss, labels, replica = train_step(inputs)
         losses.append(float(loss))
         gathered.append(labels.numpy())
+        in_replica.append([t.numpy() for t in replica])
         accuracies.append(float(accuracy.result()))  # Over the cluster's rows so far.
     accuracy.reset_state()
     train_step(next(iter(strategy.experimental_distribute_dataset(global_batches))))
     accuracies.append(float(accuracy.result()))  # After a reset: one step's rows.
     return {"losses": np.asarray(losses), "gathered_first": gathered[0],
-            "gathered_last": gathered[-1], "loop_accuracy": np.asarray(accuracies)}
+            "gathered_last": gathered[-1], "loop_accuracy": np.asarray(accuracies),
+            "all_reduce_sum": np.asarray([r[0] for r in in_replica]),
+            "all_reduce_mean": np.asarray([r[1] for r in in_replica]),
+            "all_gather_first": in_replica[0][2], "all_gather_last": in_replica[-1][2]}
 
 
 def resume(strategy, checkpoint: str) -> dict:

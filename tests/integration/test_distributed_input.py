@@ -106,6 +106,13 @@ def assert_matches_single_process(run: Result, single: Result, tag="single") -> 
         assert_close(arrays["loop_accuracy"], expected["loop_accuracy"], f"{name}: metric")
         for key in ("gathered_first", "gathered_last"):
             np.testing.assert_array_equal(arrays[key], expected[key], err_msg=f"{name} {key}")
+        # The step's own all_reduce and all_gather (not the optimizer's): the cluster's.
+        for key in ("all_reduce_sum", "all_reduce_mean"):
+            assert_close(arrays[key], expected["losses"], f"{name}: {key} of the loss")
+        for key in ("first", "last"):
+            np.testing.assert_array_equal(arrays[f"all_gather_{key}"],
+                                          expected[f"gathered_{key}"],
+                                          err_msg=f"{name} all_gather, {key} step")
         assert run.info[name]["iterations"] == expected_info["iterations"]
         if tag != "single":
             continue  # A resumed run is one loop epoch.

@@ -15,7 +15,9 @@ before each partition's update, so it advances once per iteration, as in
 single-process Keras (:mod:`prophet_tf.per_iteration`).
 With ``clipnorm`` or ``global_clipnorm`` every update comes with its norm
 group's factor (:mod:`prophet_tf.ps.clipping`), which the traced update applies
-where Keras clips, inside ``optimizer.apply``.
+where Keras clips, inside ``optimizer.apply``. Lamb's partitions of a variable
+cut into several are applied in two phases, the second once the variable's
+trust ratio is known (:mod:`prophet_tf.ps.lamb`).
 A learning rate changed on the workers (callbacks) arrives with each
 iteration's pushes; schedules run here. A step of a loss-scaled model that
 overflowed is skipped (:mod:`prophet_tf.ps.verdicts`): the partition's next

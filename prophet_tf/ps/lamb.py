@@ -101,7 +101,9 @@ class LambPartition:
     Args:
         optimizer: the PS's Lamb, built on the partitions' variables.
         variable: this partition's.
-        patches: ``() -> contextlib.ExitStack`` entered around its ``apply``
+        gradient_spec: the ``tf.TensorSpec`` of its summed gradient.
+        clips: whether every update comes with a clipping factor.
+        patches: ``(*factor) -> contextlib.ExitStack`` entered around its ``apply``
             (accumulation's narrowed reset, the clipping factor: ``apply.py``).
     """
 

@@ -11,7 +11,7 @@ It owns the locking and wires the concerns together, each in its module:
 * ``aggregation.py``: the iteration rules of a push, the NaN/Inf check, sums;
 * ``verdicts.py``: a loss-scaled model's steps, applied or skipped as all
   workers' verdicts say;
-* ``apply.py``: the optimizer apply thread;
+* ``apply.py``: the optimizer apply thread (``lamb.py``: Lamb over a cut variable);
 * ``clipping.py``: ``global_clipnorm`` and ``clipnorm``, a step's sums held
   until their norm is known; ``norm_sharing.py``: norms over partitions on
   several PS tasks, agreed through PS task 0 (ShareNorm);

@@ -25,7 +25,11 @@ TEST_PROCESSES ?= $(shell echo $$(( $$(nproc) + 1 )))
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --maxprocesses 4 \
 	--dist loadfile --durations=15
 
-test: build
+# The native stress test's plain binary is built with the project, not inside the
+# test run (about 30 CPU-seconds of g++); the sanitized ones are test-long's.
+STRESS := build/stress/runtime_stress-plain
+
+test: build $(STRESS)
 	$(PYTEST)
 
 # The long variants (marked slow) alone: the full demo's accuracy, the
@@ -61,6 +65,9 @@ build: $(STAMP) prophet_tf/_prophet_ops.so
 
 prophet_tf/_prophet_ops.so: $(OPS_SOURCES) $(PROTOS) $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
+
+$(STRESS): ops/runtime.cc ops/runtime.h ops/tests/runtime_stress.cc ops/tests/build_stress.py $(STAMP)
+	$(PY) ops/tests/build_stress.py --mode plain
 
 bench: build
 	$(PY) benchmarks/bench_ops.py

@@ -40,8 +40,10 @@ import sys
 import tempfile
 import time
 
+from prophet_tf.bench.netns import interface_bytes
+from prophet_tf.bench.worker import cpu_seconds
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _THREAD_KINDS = (  # (kind, pattern of the OS thread name); the first that matches
     ("grpc", re.compile(r"^(grpc|default-execut|resolver-execu|timer_manager|"
                         r"event_engine|global-cq|ev_|EventEngine)", re.I)),
@@ -93,13 +95,13 @@ def thread_times(pid: int) -> dict[int, tuple[str, float]]:
         return times
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat.rpartition(")")[2].split()
-        times[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+        cpu = cpu_seconds(f"{pid}/task/{tid}")
+        if cpu is not None:
+            times[int(tid)] = (name, cpu)
     return times
 
 
@@ -108,18 +110,6 @@ def thread_kind(name: str, process_name: str) -> str:
         if pattern.match(name):
             return kind
     return "python" if name == process_name else "other"
-
-
-def sent_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/net/dev") as f:
-            for line in f.readlines()[2:]:
-                name, _, fields = line.partition(":")
-                if name.strip() == "eth0":
-                    return int(fields.split()[8])
-    except OSError:
-        pass
-    return 0
 
 
 def owner(stack: list[str]) -> str:
@@ -159,7 +149,8 @@ def profile_run(scheduler: str, args, work: str) -> dict:
         while time.monotonic() < deadline and bench.poll() is None:
             procs = {p: r for p in descendants(bench.pid) if (r := role(p))}
             workers = [p for p, r in procs.items() if r == "worker"]
-            if workers and sent_bytes(min(workers)) >= args.start_mb * 1e6:
+            sent = (interface_bytes(min(workers)) or (0, 0))[1] if workers else 0
+            if sent >= args.start_mb * 1e6:
                 break
             time.sleep(0.1)
         else:

@@ -179,10 +179,10 @@ class Applier:
         (:mod:`prophet_tf.ps.lamb`): its first phase; after the variable's last
         partition of the step, every partition's second: ``[(part, value)]`` to
         publish, or ``[]`` until then."""
-        import tensorflow as tf  # loaded by the first Register
-
         self._set_learning_rate(iteration)
         if part.lamb is None:
+            import tensorflow as tf  # loaded by the first Register
+
             part.lamb = lamb.LambPartition(
                 self._optimizer, part.variable,
                 tf.TensorSpec(part.shape, aggregation.SUM_DTYPES[part.spec.dtype]),

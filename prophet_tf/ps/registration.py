@@ -18,6 +18,7 @@ starts spends no seconds of CPU and no hundreds of MB on it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -260,6 +261,9 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
 def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
     keras = load_keras()
     parts = {}
+    # Lamb over a cut variable takes its ratio over all of its partitions (lamb.py).
+    two_phase = type(model.optimizer).__name__ in optimizer_policy.TWO_PHASE
+    counts = collections.Counter(q.key for q in model.partitions)
     for p in sharding.owned_by(model.partitions, ps_index):
         spec = model.specs[p.key]
         dtype = codec.to_numpy_dtype(spec.dtype)
@@ -269,10 +273,8 @@ def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
         leaf = spec.name.rpartition("/")[2].partition(":")[0]
         variable = keras.Variable(np.zeros(shape, dtype), dtype=spec.dtype, trainable=True,
                                   name=leaf or f"variable_{p.key}")
-        parts[p.key, p.partition] = Part(spec, p, shape, dtype, variable)
-        if type(model.optimizer).__name__ in optimizer_policy.TWO_PHASE:
-            parts[p.key, p.partition].lamb_partitions = sum(
-                q.key == p.key for q in model.partitions)
+        parts[p.key, p.partition] = Part(spec, p, shape, dtype, variable,
+                                         lamb_partitions=counts[p.key] if two_phase else 1)
     excluded = [part.variable for part in parts.values() if part.plan.key in no_decay]
     if excluded:
         model.optimizer.exclude_from_weight_decay(var_list=excluded)

@@ -230,10 +230,14 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
     # make the same calls in the same order, as with TensorFlow's collectives.
 
     def _reduce(self, reduce_op, value):
-        value = self._local_results(value)[0]
+        return self._cluster_reduce(reduce_op, self._local_results(value)[0])
+
+    def _cluster_reduce(self, reduce_op, value):
+        """``value`` (a nest) summed or averaged over the workers (one: as it is)."""
         if self.cluster.num_workers == 1:
             return value
-        return self.exchange.reduce(value, mean=reduce_op == reduce_util.ReduceOp.MEAN)
+        return self.exchange.reduce(
+            value, mean=reduce_util.ReduceOp(reduce_op) == reduce_util.ReduceOp.MEAN)
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         value = self._local_results(value)[0]
@@ -304,11 +308,7 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         """A ReplicaContext.all_reduce that the step function (or a layer) makes outside
         a gradient tape, of other values than the gradients: the whole cluster's sum
         (or mean) on every worker, through PS task 0 as ``Strategy.reduce``'s."""
-        values = [value for value, _ in value_destination_pairs]
-        if self.cluster.num_workers == 1:
-            return values
-        return self.exchange.reduce(values, mean=reduce_util.ReduceOp(reduce_op)
-                                    == reduce_util.ReduceOp.MEAN)
+        return self._cluster_reduce(reduce_op, [value for value, _ in value_destination_pairs])
 
     def _forward_all_reduce(self, value_destination_pairs):
         """A replica context's all_reduce inside the forward pass: one worker's

@@ -47,13 +47,20 @@ def reject_xla() -> None:
 def unhandled_loss_scale_optimizer():
     """The Keras LossScaleOptimizer whose own ``apply`` is running (on this
     thread's stack, while tracing), unless loss_scaling.install replaced it."""
-    frame = sys._getframe(1)
-    while frame is not None:
+    for frame in _callers():
         owner = frame.f_locals.get("self")
         if loss_scaling.is_loss_scale_optimizer(owner) and not loss_scaling.installed(owner):
             return owner
-        frame = frame.f_back
     return None
+
+
+def _callers():
+    """This thread's stack frames, innermost first, from the checker that asks (or its
+    caller) up: the checkers look for names and objects their own frames do not hold."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 #: The functions through which Keras 3 (``_all_reduce_sum_gradients``) and tf_keras
@@ -67,12 +74,7 @@ def reduces_gradients() -> bool:
     """Whether the all-reduce being served is an optimizer's, of its gradients (one of
     :data:`_GRADIENT_REDUCTIONS` is on this thread's stack, while tracing), not one a
     layer or the user's step function asked for."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name in _GRADIENT_REDUCTIONS:
-            return True
-        frame = frame.f_back
-    return False
+    return any(frame.f_code.co_name in _GRADIENT_REDUCTIONS for frame in _callers())
 
 
 def is_plain_resource_variable(variable) -> bool:

@@ -9,8 +9,8 @@ the model through the parameter server (see docs in README "How it works"):
   its IdentityN; tf_keras through the replica context's all_reduce); they are
   kept, unreduced, so that each push can start as soon as its own gradient
   exists.
-  One made while a gradient tape records is a forward-pass all_reduce
-  (`BatchNormalization(synchronized=True)`): refused across workers at once.
+  Any other all_reduce (a step's own, `BatchNormalization(synchronized=True)`'s
+  in the forward pass, and its gradient) is the whole cluster's, through PS task 0.
 - `_update`: for each (variable, gradient) Keras would apply, a `PushGrad` op
   hands the gradient to the engine; the PS sums the workers' gradients and
   applies the optimizer, so nothing is applied locally.
@@ -39,7 +39,6 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.distribute import reduce_util
-from tensorflow.python.eager import record
 
 from prophet_tf import _keras_compat
 from prophet_tf import _native
@@ -191,6 +190,9 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
                 and kwargs.get("aggregation") == tf.VariableAggregation.SUM):
             self.exchange.track_summed_variable(variable)  # A metric's total or count.
+        elif (not variable.trainable and variable.dtype in checks.FLOAT_DTYPES
+              and not checks.is_internal(kwargs)):
+            self.exchange.track_averaged_variable(variable)  # Moving statistics.
         if (checks.is_plain_resource_variable(variable) and variable.trainable
                 and variable.dtype in checks.FLOAT_DTYPES):
             variable = PSVariable.adopt(variable, key=len(self._ps_variables), step_variable=self._step)
@@ -287,16 +289,16 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         checks.reject_xla()  # tf_keras compiles only the replica function: fail now.
-        if record.could_possibly_record():
-            # A gradient tape is recording: not the optimizer's gradients (Keras
-            # reduces those after the tape) but a forward-pass all_reduce, as
-            # BatchNormalization(synchronized=True) makes.
-            return self._forward_all_reduce(value_destination_pairs)
+        values = [value for value, _ in value_destination_pairs]
         if not checks.reduces_gradients():
-            return self._replica_all_reduce(reduce_op, value_destination_pairs)
+            # Not the optimizer's gradients: one the step function or a layer asked for,
+            # inside the forward pass (BatchNormalization(synchronized=True)'s moments)
+            # or outside the tape, or the gradient of a forward one.
+            if checks.differentiates_all_reduce():
+                return self._all_reduce_gradient(reduce_op, values)
+            return self._cluster_reduce(reduce_op, values)
         # The gradients, before Keras joins them in one IdentityN: each push
         # below depends on its own gradient only, so pushes overlap backprop.
-        values = [value for value, _ in value_destination_pairs]
         self._raw_grads = list(values)
         self._trained_this_trace = []
         # Version this step's forward read; the next step reads version + 1.
@@ -304,28 +306,23 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
         self._step.assign_add(1)
         return values
 
-    def _replica_all_reduce(self, reduce_op, value_destination_pairs):
-        """A ReplicaContext.all_reduce that the step function (or a layer) makes outside
-        a gradient tape, of other values than the gradients: the whole cluster's sum
-        (or mean) on every worker, through PS task 0 as ``Strategy.reduce``'s."""
-        return self._cluster_reduce(reduce_op, [value for value, _ in value_destination_pairs])
-
-    def _forward_all_reduce(self, value_destination_pairs):
-        """A replica context's all_reduce inside the forward pass: one worker's
-        sum is its own; across workers it is refused at once, rather than
-        taken for the step's gradients (which would never complete the step)."""
-        values = [value for value, _ in value_destination_pairs]
-        if self.cluster.num_workers == 1:
-            return values
-        raise NotImplementedError(
-            "prophet_tf.Strategy cannot serve a ReplicaContext.all_reduce inside the forward "
-            "pass across workers (BatchNormalization(synchronized=True) makes one): each "
-            "worker's gradients would have to flow back through the other workers' "
-            "statistics. Use BatchNormalization(synchronized=False) or LayerNormalization "
-            "(an optimizer applied inside a GradientTape's with block is taken for this too: "
-            "apply it after the block). "
-            f"Received: all_reduce of {len(values)} tensor(s) in name scope "
-            f"{tf.get_current_name_scope()!r}")
+    def _all_reduce_gradient(self, reduce_op, values):
+        """The gradient of a forward all_reduce: TensorFlow's is the all_reduce of the
+        upstream gradients ``values``, which holds when the PS sums the workers' gradients
+        as they are. A Keras train step's are weighted, worker w's by ``W * rows_w / R``
+        (ps/aggregation.py): what flows back from worker v's loss into worker w's share
+        of the reduced value must carry v's weight, not w's, so worker w gets
+        ``sum_v rows_v * dy_v / rows_w`` (nothing when it has no rows)."""
+        rows = self._share_rows
+        if rows is None or self.cluster.num_workers == 1:
+            return self._cluster_reduce(reduce_op, values)
+        rows = tf.cast(rows, tf.float64)
+        summed = self.exchange.sum_over_workers([tf.cast(v, tf.float64) * rows
+                                                 for v in values])
+        if reduce_util.ReduceOp(reduce_op) == reduce_util.ReduceOp.MEAN:
+            rows = rows * self.cluster.num_workers
+        return [tf.cast(tf.math.divide_no_nan(s, rows), v.dtype)
+                for v, s in zip(values, summed)]
 
     def _update(self, var, fn, args, kwargs, group):
         if not args:  # Weight decay and friends: the PS applies the whole optimizer.

@@ -77,9 +77,28 @@ def reduces_gradients() -> bool:
     return any(frame.f_code.co_name in _GRADIENT_REDUCTIONS for frame in _callers())
 
 
+def differentiates_all_reduce() -> bool:
+    """Whether the all-reduce being served is the gradient of a forward one, as TensorFlow's
+    ``ReplicaContext.all_reduce`` defines it (an all-reduce of the upstream gradients, made
+    by a function inside its ``grad_wrapper``), while the tape's gradient is traced."""
+    return any(".grad_wrapper.<locals>." in frame.f_code.co_qualname
+               and frame.f_code.co_filename.endswith("distribute_lib.py")
+               for frame in _callers())
+
+
 def is_plain_resource_variable(variable) -> bool:
     from tensorflow.python.ops import resource_variable_ops
     return type(variable) is resource_variable_ops.ResourceVariable
+
+
+#: The start of the names of the variables the strategy makes for itself (step
+#: records, metric shadows): never the model's.
+INTERNAL_NAME = "prophet_tf_"
+
+
+def is_internal(creator_kwargs: dict) -> bool:
+    """Whether a variable created with these arguments is one of the strategy's own."""
+    return str(creator_kwargs.get("name") or "").startswith(INTERNAL_NAME)
 
 
 def may_become_ps_variable(creator_kwargs: dict) -> bool:

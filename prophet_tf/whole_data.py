@@ -17,7 +17,8 @@ each Keras 3 train, test and predict step:
   that value.
 - train steps, also: the non-trainable floating-point variables the step
   wrote (BatchNormalization's moving mean and variance) become their mean
-  over the workers, in the same gather round.
+  over the workers, in the same gather round; a custom loop's steps likewise
+  (``Exchange.custom_step``).
 - predict steps: the workers all-gather their rows of the batch and
   concatenate them in worker order, which is the batch's order (a worker's
   share is a contiguous block of rows).
@@ -133,6 +134,7 @@ class Exchange:
         # id(metric variable) -> (variable, this worker's accumulation, the sum last written).
         self._shadows: dict[int, tuple] = {}
         self._summed: list = []  # track_summed_variable
+        self._averaged: list = []  # track_averaged_variable
 
     # -- the RPC --------------------------------------------------------------------------
 
@@ -213,17 +215,25 @@ class Exchange:
         total or count): custom loop steps that update it make it the cluster's sum."""
         self._summed.append(variable)
 
+    def track_averaged_variable(self, variable) -> None:
+        """A non-trainable floating-point variable made in the strategy's scope that is not
+        a metric's (BatchNormalization's moving statistics): custom loop steps that write
+        it leave its mean over the workers, as MultiWorkerMirroredStrategy's on-read
+        MEAN variables read (and as ``fit`` leaves a model's moving statistics)."""
+        self._averaged.append(variable)
+
     def custom_step(self, run):
         """Runs a custom loop's replica function (``run()``); the tracked variables it
         updates then hold the sums over all workers, as MultiWorkerMirroredStrategy's
-        on-read variables read: a metric's ``result()`` is the whole cluster's.
+        on-read variables read: a metric's ``result()`` is the whole cluster's; the
+        averaged ones it writes hold their mean over the workers.
 
         In a tf.function, the variables it updates are read off the ops it made (the
         same program on every worker, so every worker makes the same gather round);
-        eagerly, every tracked variable is summed.
+        eagerly, every tracked variable is summed (or averaged).
         """
-        variables = list(self._summed)
-        if not variables:
+        variables, averaged = list(self._summed), list(self._averaged)
+        if not variables and not averaged:
             return run()
         before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
         for variable, value in zip(variables, before):
@@ -234,8 +244,9 @@ class Exchange:
         for variable, value in zip(variables, before):
             if all(variable is not u for u in updated):
                 variable.assign(value)  # Untouched: as it was.
-        if updated:
-            self._write_sums(updated)
+        moved = [v for v in averaged if written(v)]
+        if updated or moved:
+            self._write_sums(updated, moved)
         return outputs
 
     def _write_sums(self, variables, averaged=()) -> None:

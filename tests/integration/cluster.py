@@ -366,10 +366,11 @@ def misuse_case(run: Run, case: str) -> dict:
 
 
 def assert_batchnorm_averages_statistics(run: Run) -> None:
-    """A BatchNorm model trains; trainable weights (gamma and beta included) come from the
-    PS, and after every train step the moving statistics are the mean of the workers' own
-    updates (MultiWorkerMirroredStrategy's on-read mean), so every worker ends with the
-    same statistics and evaluates, predicts and saves alike."""
+    """A BatchNorm model trains (fit, then one epoch of a custom loop); trainable weights
+    (gamma and beta included) come from the PS, and after every train step of either the
+    moving statistics are the mean of the workers' own updates (MultiWorkerMirroredStrategy's
+    on-read mean), so every worker ends with the same statistics and evaluates, predicts
+    and saves alike."""
     import keras_worker as kw
 
     config, workers = run.config, run.config["workers"]
@@ -379,6 +380,7 @@ def assert_batchnorm_averages_statistics(run: Run) -> None:
         assert len(losses) == config["epochs"] and all(np.isfinite(losses)), losses
         assert losses[-1] < losses[0], f"worker {index}: loss did not decrease: {losses}"
         assert info["steps_per_epoch"] == [config["steps"]] * config["epochs"]
+        assert info["loop_steps"] == config["steps"]
         assert all(np.isfinite(v) for v in info["evaluate"].values()), info["evaluate"]
         assert np.all(np.isfinite(run.npz(index)["predict"]))
     # Trainable weights come from the PS: equal.
@@ -387,11 +389,12 @@ def assert_batchnorm_averages_statistics(run: Run) -> None:
     for j, (a, b) in enumerate(zip(run.trainable(0), run.trainable(1))):
         np.testing.assert_array_equal(a, b, err_msg=f"trainable {names[j]}")
     # The input BatchNorm's moving statistics: momentum 0.9 from mean 0 and variance 1,
-    # each step's update the mean of the workers' (each normalizes its own share).
+    # each step's update the mean of the workers' (each normalizes its own share), in fit
+    # and in the custom loop.
     global_batch = BATCH * workers
     x, _ = kw.make_data("bn", config["steps"] * global_batch)
     mean, var = np.zeros(kw.IN_DIM), np.ones(kw.IN_DIM)
-    for _ in range(config["epochs"]):
+    for _ in range(config["epochs"] + 1):  # the fit's epochs and the loop's
         for step in range(config["steps"]):
             batch = x[step * global_batch:(step + 1) * global_batch].astype(np.float64)
             shares = [batch[BATCH * i:BATCH * (i + 1)] for i in range(workers)]

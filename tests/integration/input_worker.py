@@ -12,15 +12,17 @@ One model and one Adam optimizer go through, in this order:
      step that calls optimizer.apply_gradients on tf.nn.compute_average_loss(...,
      global_batch_size=GLOBAL_BATCH), strategy.reduce(SUM) of the loss and
      strategy.gather of the labels; in the step, after the update, the replica
-     context's all_reduce (sum, mean) of the loss and all_gather of the labels.
+     context's all_reduce (sum, mean) of the loss and all_gather of the labels; its
+     last step applies the gradients inside the tape's with block.
   4. evaluate and predict over distributed datasets, and a tf.train.Checkpoint of the
      model and the optimizer (DIR/<name>-checkpoint).
 --keras tf_keras builds and trains the model with tf_keras (Keras 2) instead.
 With --resume-from CHECKPOINT: a new model restored from it, then one loop epoch.
 Single-process Keras on the global batches runs the same code on the default
 strategy (and then resumes from its own checkpoint), so its results are the
-reference. Writes DIR/<name>.npz and .json (name: worker<i>, single, or with
--resumed): final weights ``t<j>``, the loop's reduced losses, the gathered labels
+reference. The model normalizes with BatchNormalization(synchronized=True).
+Writes DIR/<name>.npz and .json (name: worker<i>, single, or with
+-resumed): final weights ``t<j>`` and moving statistics ``n<j>``, the loop's reduced losses, the gathered labels
 of the first and last steps, predictions, the fits' histories and evaluate.
 """
 from __future__ import annotations
@@ -57,8 +59,13 @@ def make_data():
 
 def build_model(keras):
     keras.utils.set_random_seed(SEED)
+    # The synchronized BatchNormalization normalizes with the global batch's moments: an
+    # all_reduce in the forward pass, and its gradient one in the backward pass. (A bias
+    # before it would get gradients of rounding noise only, which Adam scales up.)
     return keras.Sequential([keras.Input((IN_DIM,)),
-                             keras.layers.Dense(16, activation="tanh", name="hidden"),
+                             keras.layers.Dense(16, use_bias=False, name="hidden"),
+                             keras.layers.BatchNormalization(synchronized=True, name="bn"),
+                             keras.layers.Activation("tanh"),
                              keras.layers.Dense(NUM_CLASSES, name="logits")])
 
 
@@ -107,13 +114,21 @@ def run(strategy, distributed: bool, workers: int, checkpoint: str) -> dict:
         checkpoint_error = None
     except ValueError as e:  # tf_keras: refused, its optimizer state is the PS's
         checkpoint_error = str(e)
-    arrays = {f"t{j}": v.numpy() for j, v in enumerate(model.trainable_variables)}
+    arrays = weights(model)
     arrays.update(loop)
     arrays["predict"] = np.asarray(prediction)
     info = {"history": [first.history, second.history], "evaluate": evaluation,
             "checkpoint_error": checkpoint_error,
             "iterations": int(model.optimizer.iterations.numpy())}
     return {"arrays": arrays, "info": info}
+
+
+def weights(model) -> dict:
+    """The trainable variables ``t<j>`` and the BatchNormalization's moving statistics
+    ``n<j>`` (non-trainable)."""
+    arrays = {f"t{j}": v.numpy() for j, v in enumerate(model.trainable_variables)}
+    arrays.update({f"n{j}": v.numpy() for j, v in enumerate(model.non_trainable_variables)})
+    return arrays
 
 
 def custom_loop(strategy, model, keras, global_batches) -> dict:
@@ -125,15 +140,19 @@ def custom_loop(strategy, model, keras, global_batches) -> dict:
         accuracy = keras.metrics.SparseCategoricalAccuracy()
 
     @tf.function
-    def train_step(inputs):
+    def train_step(inputs, in_tape=False):
         def step_fn(inputs):
             features, labels = inputs
             with tf.GradientTape() as tape:
                 logits = model(features, training=True)
                 loss = tf.nn.compute_average_loss(loss_object(labels, logits),
                                                   global_batch_size=GLOBAL_BATCH)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                if in_tape:  # Applied while the tape still records: the same update.
+                    grads = tape.gradient(loss, model.trainable_variables)
+                    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            if not in_tape:
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
             accuracy.update_state(labels, logits)
             # Not the optimizer's: every replica gets the cluster's sum, mean, rows.
             context = tf.distribute.get_replica_context()
@@ -155,7 +174,8 @@ def custom_loop(strategy, model, keras, global_batches) -> dict:
         in_replica.append([t.numpy() for t in replica])
         accuracies.append(float(accuracy.result()))  # Over the cluster's rows so far.
     accuracy.reset_state()
-    train_step(next(iter(strategy.experimental_distribute_dataset(global_batches))))
+    train_step(next(iter(strategy.experimental_distribute_dataset(global_batches))),
+               in_tape=True)
     accuracies.append(float(accuracy.result()))  # After a reset: one step's rows.
     return {"losses": np.asarray(losses), "gathered_first": gathered[0],
             "gathered_last": gathered[-1], "loop_accuracy": np.asarray(accuracies),
@@ -176,7 +196,7 @@ def resume(strategy, checkpoint: str) -> dict:
     tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(checkpoint).expect_partial()
     global_batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     loop = custom_loop(strategy, model, keras, global_batches)
-    arrays = {f"t{j}": v.numpy() for j, v in enumerate(model.trainable_variables)}
+    arrays = weights(model)
     arrays.update(loop)
     return {"arrays": arrays, "info": {"iterations": int(model.optimizer.iterations.numpy())}}
 

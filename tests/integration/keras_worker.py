@@ -345,8 +345,36 @@ def scenario_train(strategy, args, out_dir) -> dict:
         model.evaluate(x_probe, y_probe, batch_size=global_batch, verbose=0)
         model.predict(x_probe, batch_size=global_batch, verbose=0)
         info = train(model, args, global_batch)
+    if args.model == "bn":
+        info["loop_steps"] = custom_loop(model, strategy, args, global_batch)
     info.update(_collect(model, strategy, args, global_batch, out_dir))
     return info
+
+
+def custom_loop(model, strategy, args, global_batch) -> int:
+    """One epoch of TensorFlow's custom training loop over the fit's data (its steps);
+    returns the steps taken."""
+    x, y = make_data(args.model, args.steps * global_batch)
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    loss_object = K.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    @tf.function
+    def step(inputs):
+        def replica(inputs):
+            features, labels = inputs
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(
+                    loss_object(labels, model(features, training=True)),
+                    global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(replica, args=(inputs,))
+
+    steps = 0
+    for inputs in strategy.experimental_distribute_dataset(batches):
+        step(inputs)
+        steps += 1
+    return steps
 
 
 def write_json(out_dir, index, info) -> None:

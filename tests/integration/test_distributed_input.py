@@ -2,7 +2,8 @@
 
 Each cluster runs tests/integration/input_worker.py on every worker (3 workers, 2 PS
 tasks: shares of 2, 3 and 3 rows of a global batch of 8, then 1, 1 and 2 of the
-last batch): fit on experimental_distribute_dataset, fit on
+last batch), a model with BatchNormalization(synchronized=True) (the global batch's
+moments, through PS task 0, forward and back): fit on experimental_distribute_dataset, fit on
 distribute_datasets_from_function, a custom loop with strategy.run,
 apply_gradients, strategy.reduce and strategy.gather, evaluate and predict on a
 distributed dataset, and a tf.train.Checkpoint, which a second cluster resumes
@@ -98,8 +99,11 @@ def clusters(tmp_path_factory):
 def assert_matches_single_process(run: Result, single: Result, tag="single") -> None:
     expected, expected_info = single.arrays[tag], single.info[tag]
     for name, arrays in run.arrays.items():
-        for key in sorted(k for k in expected if k.startswith("t")):
-            assert_close(arrays[key], expected[key], f"{name}: trainable variable {key}")
+        # The synchronized BatchNormalization's moving statistics too: the global batch's.
+        variables = sorted(k for k in expected if k[0] in "tn" and k[1:].isdigit())
+        assert len(variables) == 7, variables
+        for key in variables:
+            assert_close(arrays[key], expected[key], f"{name}: variable {key}")
         # Every worker reports every step's loss over the whole global batch.
         assert_close(arrays["losses"], expected["losses"], f"{name}: reduced losses")
         # A metric updated inside strategy.run reads the cluster's rows, as under MWMS.

@@ -388,28 +388,6 @@ def test_a_worker_optimizer_leaves_accumulation_to_the_ps():
     assert len(optimizer._accumulated_gradients) == 1
 
 
-@pytest.mark.timeout(60)  # The watchdog: the call must fail, not wait for other workers.
-def test_a_forward_all_reduce_across_workers_fails_at_once_naming_the_layer():
-    """BatchNormalization(synchronized=True) all-reduces its moments inside the tape."""
-    import keras
-    strategy = Strategy(worker_config(index=0))  # 2 workers; connects to nothing yet.
-    with strategy.scope():
-        layer = keras.layers.BatchNormalization(synchronized=True, name="sync_bn")
-
-    @tf.function
-    def step(x):
-        def replica(x):
-            with tf.GradientTape():
-                return layer(x, training=True)
-        return strategy.run(replica, args=(x,))
-
-    with pytest.raises(NotImplementedError) as raised:
-        step(tf.ones((4, 3)))
-    message = str(raised.value)
-    assert "all_reduce" in message and "synchronized=True" in message, message
-    assert "sync_bn" in message, message
-
-
 def test_one_worker_s_forward_all_reduce_is_its_own_sum():
     strategy = Strategy(worker_config(spec={"worker": ["127.0.0.1:1001"],
                                             "ps": ["127.0.0.1:2001"]}))

@@ -82,8 +82,9 @@ UNSUPPORTED_OPTIMIZERS = {
 
 #: Optimizer options prophet_tf cannot apply exactly, with the reason.
 REFUSED_OPTIONS = {
-    "use_ema": "the moving average would be kept on each worker, apart from the "
-               "parameters the PS trains",
+    "use_ema": "at the end of fit Keras overwrites the variables with their averages, "
+               "a parameter version that no training step produces, which the PS and "
+               "the workers cannot follow",
 }
 #: The optimizer options that clip gradients (Keras 3 and tf_keras alike).
 CLIPPING_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm")

@@ -167,6 +167,14 @@ def build_model(model_kind: str, hidden: int = 8, seed: int = SEED):
                    K.layers.Dense(hidden, activation="relu", name="hidden"),
                    K.layers.BatchNormalization(momentum=0.9, name="bn_hidden"),
                    K.layers.Dense(NUM_CLASSES, name="logits")]
+    elif model_kind == "norm":  # per-sample normalizations: nothing crosses workers
+        layers += [K.layers.Dense(hidden, name="hidden"),
+                   K.layers.LayerNormalization(name="ln"),
+                   K.layers.Activation("tanh"),
+                   K.layers.Dense(hidden, use_bias=False, name="hidden2"),
+                   K.layers.GroupNormalization(groups=2, name="gn"),
+                   K.layers.Activation("tanh"),
+                   K.layers.Dense(NUM_CLASSES, name="logits")]
     elif model_kind == "cnn":
         layers += [K.layers.Conv2D(4, 3, activation="relu", name="conv"),
                    K.layers.Flatten(),
@@ -482,7 +490,7 @@ def main(argv=None) -> int:
                                                 "nadam_schedule+clipvalue",
                                                 "adam+clipnorm", "sgd+global_clipnorm"],
                         default="sgd")
-    parser.add_argument("--model", choices=["mlp", "bn", "cnn"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "bn", "norm", "cnn"], default="mlp")
     parser.add_argument("--data", choices=["numpy", "dataset", "pydataset", "sequence"],
                         default="numpy")
     parser.add_argument("--steps", type=int, default=6, help="steps per epoch")

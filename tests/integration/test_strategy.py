@@ -14,7 +14,8 @@ at it (clusters are the expensive part: each task imports TensorFlow):
   rounds    2 workers, 2 PS, CNN, keras.utils.PyDataset (variables on both PS tasks), Adam
             with clipnorm (each variable whole on one PS task): fit, evaluate, predict, fit
             again (the first fit's weights are kept too)
-  schedule  2 workers, 2 PS, MLP, numpy, Nadam with ExponentialDecay, clipvalue
+  schedule  2 workers, 2 PS, MLP with LayerNormalization and GroupNormalization, numpy,
+            Nadam with ExponentialDecay, clipvalue
   bn        2 workers, 1 PS, MLP with BatchNormalization, 3 epochs
   misuse    1 worker, 1 PS: model outside scope() (2 ways), jit_compile,
             run_eagerly (in this order, in one worker process)
@@ -45,7 +46,7 @@ CONFIGS = {
                      data="dataset", epochs=3, steps=3, lr_callback=True),
     # Nadam: its u_product advances once per step although each PS task applies
     # every variable on its own.
-    "schedule": dict(workers=2, ps=2, optimizer="nadam_schedule+clipvalue", model="mlp",
+    "schedule": dict(workers=2, ps=2, optimizer="nadam_schedule+clipvalue", model="norm",
                      data="numpy"),
     "bn": dict(workers=2, ps=1, optimizer="adam", model="bn", data="numpy", epochs=3, steps=4),
     # fit -> evaluate -> predict -> fit, run twice (see test_fit_evaluate_predict_fit...).

@@ -9,6 +9,8 @@
 - :mod:`prophet_tf.bench.ideal`: the ideal step time of a run.
 - :mod:`prophet_tf.bench.simulate`: the simulation, driving the engine's dispatch and schedulers;
   :mod:`prophet_tf.bench.simulate_network`: its event queue and links shared by flows;
+  :mod:`prophet_tf.bench.simulate_max_min`: the flows' max-min fair rates;
+  :mod:`prophet_tf.bench.simulate_links`: the links of a cluster layout;
   :mod:`prophet_tf.bench.simulate_flow_share`: ``share_sigma`` fitted to a measured link;
   :mod:`prophet_tf.bench.simulate_cli`: ``prophet-tf simulate``.
 - :mod:`prophet_tf.bench.report`: the docs' result tables from committed JSON (``prophet-tf

@@ -31,7 +31,9 @@ in lockstep, so one is simulated and every PS link is shared W ways):
   a link max-min fairly (a fluid model of TCP), or with ``share_sigma`` by
   a log-normal weight per message: TCP connections through a shaped link
   take turns (``benchmarks/flow_share.py``), so one host's messages can get
-  ahead of another's (``--validate --flow-share``). Each message costs
+  ahead of another's (``--validate --flow-share``). The shares follow
+  messages' starts and ends up to ``rate_lag_s`` late (what keeps many
+  workers fast: ``simulate_network``). Each message costs
   ``rpc_overhead_s + nbytes * rpc_per_byte_s`` at its ends before its bytes
   flow (serialising, gRPC, Python, the PS's checks and sum: a bench run
   measures both, ``message_costs.py``) and a one-way latency after;
@@ -58,6 +60,7 @@ measured link is :mod:`prophet_tf.bench.simulate_flow_share`.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import statistics
@@ -66,18 +69,24 @@ from typing import Callable
 
 from prophet_tf.bench import ideal as ideal_lib
 from prophet_tf.bench import models
-from prophet_tf.bench.simulate_network import ClusterLinks, FluidSim
+from prophet_tf.bench.simulate_links import ClusterLinks
+from prophet_tf.bench.simulate_network import FluidSim
 from prophet_tf.engine import schedulers as schedulers_lib
 from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.engine.dispatch import Dispatch
 
-__all__ = ["simulate", "DEFAULT_RPC_OVERHEAD_S", "WARMUP_ITERATIONS"]
+__all__ = ["simulate", "DEFAULT_RPC_OVERHEAD_S", "DEFAULT_RATE_LAG_S", "WARMUP_ITERATIONS"]
 
 logger = logging.getLogger(__name__)
 
 #: Fixed cost per message (serialisation, gRPC, Python), from the bench's
 #: loopback figures: ~0.1 ms per message at the client plus the PS's handling.
 DEFAULT_RPC_OVERHEAD_S = 0.0003
+#: How late the links' shares may follow flows' starts and ends
+#: (``simulate_network.FluidSim``'s ``rate_lag_s``): the validation runs
+#: predict within 0.5% of recomputing them at every change, and 16 workers
+#: and more run several times faster.
+DEFAULT_RATE_LAG_S = 0.0002
 WARMUP_ITERATIONS = schedulers_lib.ProphetScheduler.ITERATIONS_BEFORE_PLAN
 #: How often a worker held by answers first asks its host's PS tasks again
 #: (``AnswersFirst.POLL_S``).
@@ -99,15 +108,20 @@ class _Servers:
         self.pulls: dict[int, dict[int, tuple[int, list]]] = {}
 
     def arrived(self, ps: int, items, at: float) -> None:
+        applied = False
         for item in items:
             version = (item.key, item.partition, item.iteration + 1)
             count = self._pushes.pop(version, 0) + 1
             if count == self.pushers:
                 self.available[version] = at
+                applied = True
             else:
                 self._pushes[version] = count
-        for resume in self._waiting.pop(ps, []):
-            self.sim.at(at, resume)
+        # A pull waits for a partition to be applied: a push that applies none
+        # would wake all W workers' pulls of this PS for nothing.
+        if applied:
+            for resume in self._waiting.pop(ps, []):
+                self.sim.at(at, resume)
 
     def wait(self, ps: int, resume: Callable) -> None:
         self._waiting.setdefault(ps, []).append(resume)
@@ -294,7 +308,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
              compute_s: float | None = None, rpc_overhead_s: float = DEFAULT_RPC_OVERHEAD_S,
              rpc_per_byte_s: float = 0.0, scheduler_options: dict | None = None, layout: str = "dedicated",
              framing: float = ideal_lib.TCP_FRAMING, share_sigma: float = 0.0,
-             seed: int = 0, answers_first: bool = True) -> dict:
+             seed: int = 0, answers_first: bool = True,
+             rate_lag_s: float = DEFAULT_RATE_LAG_S) -> dict:
     """Simulates training with one scheduler; returns step times and the ideal bound.
 
     Args:
@@ -323,6 +338,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
       answers_first: colocated, a worker holds its pushes to other hosts while
         its host's PS tasks owe the other hosts' workers answers, as the engine
         does unless ``PROPHET_TF_ANSWERS_FIRST=0`` (see the module docstring).
+      rate_lag_s: how late the links' shares may follow flows' starts and
+        ends (``simulate_network.FluidSim``); 0 recomputes them at every change.
 
     Returns:
       ``{"scheduler", "step_time_s", "step_times_s", "ideal_step_time_s", "ideal",
@@ -353,7 +370,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
     specs = specs_of(profile)
     rate = ideal_lib.payload_bytes_per_s(bandwidth_mbit, framing) or math.inf
     network = ClusterLinks(layout, workers, num_ps, rate)
-    sim = FluidSim(network.capacity, share_sigma, seed)
+    sim = FluidSim(network.capacity, share_sigma, seed, rate_lag_s=rate_lag_s)
     servers = _Servers(sim, network.simulated)
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
     simulated, finished = [], []
@@ -365,7 +382,16 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
                                  rpc_per_byte_s, finished, answers_first))
         sim.at(0.0, simulated[-1].start)
     worker = simulated[0]
-    sim.run(until=lambda: len(finished) == len(simulated))  # checked at every event: O(1)
+    # The run allocates millions of short-lived objects (events, closures) and
+    # makes no reference cycles worth collecting: the cyclic collector's passes
+    # over the long-lived ones took a fifth of the time at 32 workers.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        sim.run(until=lambda: len(finished) == len(simulated))  # checked at every event: O(1)
+    finally:
+        if collecting:
+            gc.enable()
     if len(worker.starts) <= iterations:
         raise RuntimeError(f"simulation of {scheduler} stalled at iteration {worker.iteration} "
                            f"(t={sim.now:.4f} s); a scheduler held items it never released")

@@ -43,9 +43,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 def simulate_spec(profile: dict, name: str, options: dict, workers: int, num_ps: int,
                   bandwidth_mbit: float | None, **kwargs) -> dict:
     """``simulate.simulate`` of a PS scheduler, or ``simulate_ring.simulate_ring``
-    of tf-mwms (which sends no PS messages: the message costs are left out)."""
+    of tf-mwms (which sends no PS messages and has no fluid network: the
+    message costs and the rate lag are left out)."""
     if name == simulate_ring.NAME:
-        kwargs = {k: v for k, v in kwargs.items() if not k.startswith("rpc_")}
+        kwargs = {k: v for k, v in kwargs.items()
+                  if not k.startswith("rpc_") and k != "rate_lag_s"}
         return simulate_ring.simulate_ring(profile, workers, num_ps, bandwidth_mbit,
                                            **options, **kwargs)
     return simulate_lib.simulate(profile, name, workers, num_ps, bandwidth_mbit,
@@ -132,6 +134,11 @@ def _parse(argv):
     parser.add_argument("--rpc-overhead-ms", type=float, default=simulate_lib.DEFAULT_RPC_OVERHEAD_S * 1e3,
                         help="fixed cost per message (default %(default)s; --validate uses "
                              "the costs the bench measured)")
+    parser.add_argument("--rate-lag-ms", type=float,
+                        default=simulate_lib.DEFAULT_RATE_LAG_S * 1e3,
+                        help="how late the links' shares may follow flows' starts and ends "
+                             "(default %(default)s; 0 recomputes them at every change, "
+                             "exact but slow from 16 workers)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--sweep", action="store_true",
                         help="2-64 workers x 1-25 Gbit/s (one PS per 4 workers)")
@@ -219,7 +226,8 @@ def validate(bench: dict, profile: dict,
              rpc_overhead_s: float = simulate_lib.DEFAULT_RPC_OVERHEAD_S,
              timeline_dir: str | None = None, flow_shares: Sequence[dict] | None = None,
              seeds: int = 5, fitted: CostFit | None = None,
-             schedulers: Sequence[str] | None = None) -> list:
+             schedulers: Sequence[str] | None = None,
+             rate_lag_s: float = simulate_lib.DEFAULT_RATE_LAG_S) -> list:
     """Predicted vs measured step time per scheduler of a bench JSON (those
     named in ``schedulers``, default all), tf-mwms by the ring model
     (``simulate_ring.validate_row``).
@@ -232,6 +240,7 @@ def validate(bench: dict, profile: dict,
     ``flow_shares`` (``benchmarks/flow_share.py`` results, one per link
     rate) the links are shared as unevenly as measured (``share_sigma_for``),
     and the prediction is the median over ``seeds`` seeded simulations.
+    ``rate_lag_s``: as ``simulate.simulate`` takes it.
     """
     if not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1. Received: {seeds!r}")
@@ -285,7 +294,7 @@ def validate(bench: dict, profile: dict,
             rpc_overhead_s=costs["overhead_s"], rpc_per_byte_s=costs["per_byte_s"],
             scheduler_options=options, layout=layout,
             framing=config.get("ideal", {}).get("framing", 1.0),
-            share_sigma=sigma, seed=seed,
+            share_sigma=sigma, seed=seed, rate_lag_s=rate_lag_s,
             # As the run did (bench runs record it; older ones ran with it on).
             answers_first=config.get("answers_first") is not False)
             for seed in range(seeds if sigma else 1)]
@@ -323,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         parsed = {n: parse_spec(n) for n in names}
         wanted = names if args.schedulers else None  # --validate: those rows only
         overhead = args.rpc_overhead_ms / 1e3
+        lag = args.rate_lag_ms / 1e3
         if args.plot:  # before the sweep, not after it
             extras.check("matplotlib", "--plot")
         if args.costs_from and not args.validate:
@@ -361,13 +371,13 @@ def main(argv: list[str] | None = None) -> int:
                          **row} for c in bench["cells"] for row in validate(
                              c, profile, overhead, args.timeline_dir and os.path.join(
                                  args.timeline_dir, suite_lib.cell_directory(c["cell"])),
-                             flow_shares, args.seeds, schedulers=wanted)]
+                             flow_shares, args.seeds, schedulers=wanted, rate_lag_s=lag)]
                 columns = [("model", "model", ""), ("workers", "workers", "d"),
                            ("Mbit/s", "bandwidth_mbit", ".0f")] + columns
                 out = {"validation": rows, "suite": bench["suite"]}
             elif len(benches) == 1:
                 rows = validate(benches[0], profile, overhead, args.timeline_dir, flow_shares,
-                                args.seeds, fitted, wanted)
+                                args.seeds, fitted, wanted, lag)
                 out = {"validation": rows, "bench_config": _without_profile(benches[0]["config"])}
             else:  # several runs, each predicted alone
                 if args.timeline_dir:
@@ -376,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = [{"run": os.path.basename(path), **row}
                         for path, bench in zip(paths, benches)
                         for row in validate(bench, profile, overhead, None, flow_shares,
-                                            args.seeds, fitted, wanted)]
+                                            args.seeds, fitted, wanted, lag)]
                 columns = [("run", "run", "")] + columns
                 out = {"validation": rows, "bench_config": _without_profile(benches[0]["config"])}
             out["costs_from"] = [os.path.basename(p) for p in fit_paths] or None
@@ -385,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.sweep:
             rows = sweep(profile, names, [2, 4, 8, 16, 32, 64],
                          [1000, 2500, 5000, 10000, 25000], iterations=args.iterations,
-                         rpc_overhead_s=overhead, compute_s=args.compute_s)
+                         rpc_overhead_s=overhead, compute_s=args.compute_s, rate_lag_s=lag)
             by = {(r["workers"], r["bandwidth_mbit"], r["scheduler"]): r for r in rows}
             for r in rows:
                 f = by[r["workers"], r["bandwidth_mbit"], "fifo"]["step_time_s"]
@@ -405,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = [{**simulate_spec(
                         profile, name, options, args.workers, args.ps, args.bandwidth_mbit,
                         latency_ms=args.latency_ms, iterations=args.iterations,
-                        compute_s=args.compute_s, rpc_overhead_s=overhead, layout=args.layout),
+                        compute_s=args.compute_s, rpc_overhead_s=overhead, layout=args.layout,
+                        rate_lag_s=lag),
                      "scheduler": spec}
                     for spec, (name, options) in parsed.items()]
             fifo = next((r["step_time_s"] for r in rows if r["scheduler"] == "fifo"), None)
@@ -417,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
             out = {"config": {"model": args.model, "workers": args.workers, "ps": args.ps,
                               "layout": args.layout,
                               "bandwidth_mbit": args.bandwidth_mbit,
-                              "latency_ms": args.latency_ms, "rpc_overhead_s": overhead},
+                              "latency_ms": args.latency_ms, "rpc_overhead_s": overhead,
+                              "rate_lag_s": lag},
                    "results": rows}
     except extras.MissingExtra:
         raise  # the command line says which extra to install (exit 1)

@@ -4,13 +4,16 @@
   and the flows crossing its links. The two are one object because a flow's
   end is an event that moves whenever another flow starts or ends on a link
   it shares.
-- :class:`ClusterLinks`: the links of a cluster layout, their capacities,
-  and which of them each push and pull crosses.
+- the max-min fair rates of its flows: :mod:`prophet_tf.bench.simulate_max_min`;
+  the links of a cluster layout: :mod:`prophet_tf.bench.simulate_links`.
 
-What keeps it fast at many workers (a colocated run has about W² flows in
-flight and W² flow starts and ends per step), with the very arithmetic of
-recomputing every flow's rate at every start and end, so the results are
-the same to the last bit (the tests compare the two paths):
+What keeps it fast at many workers: a colocated run with one PS per host
+has about 1.5 W² flows in flight (nearly every sender and receiver pair has
+one) and a flow start or end every few microseconds of virtual time, and
+each recomputation of the max-min rates is a progressive filling over the
+W² pairs. Following every change at once (``rate_lag_s=0``), the results
+are the same to the last bit as recomputing every flow's rate at every start
+and end (the tests compare the two paths):
 
 - The flows' bytes left and rates are numpy arrays: advancing time, the next
   flow end and the flows done are a few array operations, the same float
@@ -26,6 +29,29 @@ the same to the last bit (the tests compare the two paths):
   each change (its sequence number is taken then), so events run in the
   same order as with an eager recomputation.
 
+That still costs a filling per instant with a change: at 8 workers half the
+run, at 16 workers 255 s for four schedulers. So the rates may follow the
+changes late, by up to ``rate_lag_s`` (``simulate.DEFAULT_RATE_LAG_S``,
+0.2 ms): an approximation, as TCP takes round trips to settle on a new
+share, not an instant. A start or end recomputes the rates at once (after
+the last event of its instant) if they are at least ``rate_lag_s`` old, else
+``rate_lag_s`` after they were computed, so there is at most one filling per
+lag, and a network with a change now and then is computed as without a lag.
+In between:
+
+- the flows in flight keep their rates; their ends were put in order when
+  the rates were computed (only those due before the next computation), so
+  a flow's end costs no array operation;
+- a new flow takes what its links have spare (the capacity of flows ended
+  since; none: it waits for the next computation), so no link ever carries
+  more than its capacity, and a flow on idle links runs at full rate at once;
+- what the lag costs is capacity left idle after a flow ends (until the next
+  computation): the predictions move by 0.5% at most on the validation runs
+  (bench-colocated-2026-12-05, -w3, -100mbit: 2 and 3 hosts at 100-200
+  Mbit/s, answers-first and host-queue runs of 4 hosts at 3 Gbit/s), and
+  resnet50 on 8 hosts at 2 Gbit/s predicts 0.2-0.6% slower with a 0.1 ms
+  lag, 0.5-0.7% with 0.2 ms, 0.9-1.5% with 0.3 ms, 1.3-2.6% with 1 ms.
+
 Fitting ``share_sigma`` to measured links is
 :mod:`prophet_tf.bench.simulate_flow_share`.
 """
@@ -38,7 +64,9 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["FluidSim", "ClusterLinks"]
+from prophet_tf.bench import simulate_max_min as max_min
+
+__all__ = ["FluidSim"]
 
 #: A flow with at most this many bytes left is done (float rounding).
 _DONE_BYTES = 1e-3
@@ -47,12 +75,11 @@ _DONE_BYTES = 1e-3
 class _Class:
     """The flows in flight of one path (link ids) and weight: one rate for all."""
 
-    __slots__ = ("links", "weight", "key", "index", "count", "rate", "generation")
+    __slots__ = ("links", "weight", "key", "index", "count", "generation")
 
     def __init__(self, links: tuple, weight: float, key, index: int):
         self.links, self.weight, self.key, self.index = links, weight, key, index
         self.count = 0
-        self.rate = 0.0
         self.generation = 0  # the rate computation that fixed its rate
 
 
@@ -86,11 +113,22 @@ class FluidSim:
     ``classes=False`` gives every flow a class of its own and recomputes the
     rates at every flow's start and end: the straightforward path, which the
     tests compare the default with.
+
+    ``rate_lag_s`` > 0: the rates react to flows' starts and ends up to that
+    late (see the module docstring); 0 recomputes them at every instant
+    something changed.
     """
 
     def __init__(self, capacity: dict, share_sigma: float = 0.0, seed: int = 0,
-                 classes: bool = True):
+                 classes: bool = True, rate_lag_s: float = 0.0):
+        if not (isinstance(rate_lag_s, (int, float)) and 0 <= rate_lag_s < math.inf):
+            raise ValueError(f"rate_lag_s must be a finite number >= 0. "
+                             f"Received: rate_lag_s={rate_lag_s!r}")
+        if rate_lag_s and not classes:
+            raise ValueError("classes=False is the straightforward path, every rate "
+                             "recomputed at every change: it takes no rate_lag_s")
         self.share_sigma = share_sigma
+        self.rate_lag_s = rate_lag_s
         self._random = random.Random(seed)
         self.now = 0.0
         self._events: list = []
@@ -108,7 +146,7 @@ class FluidSim:
         self._max_capacity = 0.0  # the fastest finite link: no flow is faster
         self._classes: dict = {}  # key -> _Class with flows in flight, in start order
         self._class_free: list[int] = []
-        self._class_rate = np.ones(1)  # by class index; 0 is no class's
+        self._class_rate = [1.0]  # by class index; 0 is no class's
         # Per flow slot: bytes left and rate (a free slot: inf bytes at rate
         # 1, never done and never next), its class and flow.
         self._remaining = np.full(0, math.inf)
@@ -122,6 +160,17 @@ class FluidSim:
         self._stale = False  # the rates are not those of the flows in flight
         self._end_seq = 0  # the queue place of the flow-end event of the latest change
         self._soon = False  # a flow may end at this instant (few bytes left)
+        # Rate lag: the bytes left are of _last, the time of the latest rate
+        # computation; a flow started since runs at the capacity its links had
+        # spare, and ends in _late; the others end in _ends.
+        self._refill_at = None  # when the rates are due (None: up to date)
+        self._spare: list[float] = []  # per link: capacity no flow had at _last
+        # The flows in flight at _last, by end: times, slots (arrays: few are
+        # read before the next computation), the next one's place.
+        self._end_times = self._end_slots = np.zeros(0)
+        self._end_next = 0
+        self._late: list[tuple] = []  # heap of (end, seq, slot) of flows started since
+        self._end_at = math.inf  # the time of the pending flow-end event
 
     # -- events -------------------------------------------------------------------------
 
@@ -134,6 +183,12 @@ class FluidSim:
         while not until():
             if self._stale and self._due(events):
                 self._update()
+            if self._refill_at is not None and (not events or events[0][0] > self._refill_at):
+                # After the last event of that instant: the changes made at
+                # it are all in.
+                self.now = max(self.now, self._refill_at)
+                self._refill()
+                continue
             if not events:
                 return
             t, _, fn = heapq.heappop(events)
@@ -159,7 +214,9 @@ class FluidSim:
         return sorted((f for f in self._flow_at if f is not None), key=lambda f: f.seq)
 
     def start_flow(self, nbytes: float, links: tuple, done: Callable[[], None]) -> None:
-        self._advance()
+        lag = self.rate_lag_s
+        if not lag:
+            self._advance()
         weight = math.exp(self._random.gauss(0.0, self.share_sigma)) if self.share_sigma else 1.0
         ids = self._path_ids.get(links, False)
         if ids is False:
@@ -186,7 +243,23 @@ class FluidSim:
             heapq.heappush(self._link_flows[link], (flow.seq, place, flow))
             self._link_count[link] += 1
         cls.count += 1
-        self._changed()
+        if not lag:
+            self._changed()
+            return
+        # Until the rates are recomputed, the flow takes what its links have
+        # spare (capacity of flows ended since, or none): no link ever
+        # carries more than its capacity.
+        spare = self._spare
+        rate = max(min(spare[link] for link in ids), 0.0)
+        self._rate[slot] = rate
+        if rate > 0:
+            for link in ids:
+                spare[link] -= rate
+            # Bytes left as of _last, as the other flows' are.
+            self._remaining[slot] += rate * (self.now - self._last)
+            heapq.heappush(self._late, (self.now + nbytes / rate, flow.seq, slot))
+            self._next_end()
+        self._lagged_change()
 
     def _ids(self, links: tuple):
         """The ids of a path's links; None if none of them limits it."""
@@ -197,6 +270,7 @@ class FluidSim:
             if link not in self._link_id:
                 self._link_id[link] = len(self._link_capacity)
                 self._link_capacity.append(self.capacity[link])
+                self._spare.append(self.capacity[link])
                 self._link_flows.append([])
                 self._on_link.append({})
                 self._link_count.append(0)
@@ -208,7 +282,7 @@ class FluidSim:
     def _class_index(self) -> int:
         if not self._class_free:
             n = len(self._class_rate)
-            self._class_rate = np.concatenate([self._class_rate, np.ones(n)])
+            self._class_rate += [1.0] * n
             self._class_free = list(range(2 * n - 1, n - 1, -1))
         return self._class_free.pop()
 
@@ -251,10 +325,7 @@ class FluidSim:
         if not self._classes:
             return
         self._fill()
-        class_rate = self._class_rate
-        for c in self._classes.values():
-            class_rate[c.index] = c.rate
-        self._rate = rate = class_rate[self._class_of]
+        self._rate = rate = np.array(self._class_rate)[self._class_of]
         last = self._last  # the time the bytes left are of
         t = float((last + np.maximum(self._remaining, 0.0) / rate).min())
         epoch = self._epoch
@@ -262,61 +333,11 @@ class FluidSim:
                                       lambda: self._finish(epoch)))
 
     def _fill(self) -> None:
-        # Progressive filling: the most constrained link (least capacity left
-        # per unit of unfixed weight) fixes its flows' rates, in proportion to
-        # their weights. Fixing flows at the least share only raises every other
-        # link's share, so a heap whose stale entries are too low (pushed again
-        # when popped) finds each next link: O(classes x their links), not
-        # O(classes x links). Per class, the same float operations as per flow
-        # (its flows' rates are taken from each link one by one), and links of
-        # equal share go in the order the oldest flow on them started.
         self._generation += 1
-        generation = self._generation
-        left = list(self._link_capacity)
-        unfixed = list(self._link_count)
-        on = self._on_link
-        if self.share_sigma:  # summed in start order, as flow by flow
-            weight = [0.0] * len(left)
-            for link, classes in enumerate(on):
-                w = 0.0
-                for c in classes:
-                    w += c.count * c.weight
-                weight[link] = w
-        else:  # every weight 1: the sums are whole numbers
-            weight = [float(n) for n in unfixed]
-        heads = self._link_flows
-        heap = []
-        for link, n in enumerate(unfixed):
-            if n:
-                flows = heads[link]
-                while flows[0][2].slot < 0:  # ended
-                    heapq.heappop(flows)
-                heap.append((left[link] / weight[link], flows[0][:2], link))
-        heapq.heapify(heap)
-        while heap:
-            share, order, link = heapq.heappop(heap)
-            if not unfixed[link]:
-                continue
-            current = left[link] / weight[link]
-            if current > share:
-                heapq.heappush(heap, (current, order, link))
-                continue
-            for c in on[link]:
-                if c.generation == generation:  # fixed
-                    continue
-                c.generation = generation
-                c.rate = rate = current * c.weight
-                count, w = c.count, c.count * c.weight
-                for l in c.links:
-                    if count == 1:
-                        left[l] -= rate
-                    else:  # as many subtractions as flows: the same rounding
-                        x = left[l]
-                        for _ in range(count):
-                            x -= rate
-                        left[l] = x
-                    weight[l] -= w
-                    unfixed[l] -= count
+        self._spare = max_min.fill(
+            self._link_capacity, self._link_count, self._on_link, self._link_flows,
+            self._class_rate, self._generation, weighted=bool(self.share_sigma),
+            one_by_one=not self.rate_lag_s)
 
     def _finish(self, epoch: int) -> None:
         if epoch != self._epoch:
@@ -329,64 +350,97 @@ class FluidSim:
             slots = [min(slots, key=lambda s: self._flow_at[s].seq)]
         done = sorted((self._flow_at[s] for s in slots), key=lambda f: f.seq)
         for f in done:
-            slot = f.slot
-            remaining[slot] = math.inf
-            self._rate[slot] = 1.0
-            self._class_of[slot] = 0
-            self._flow_at[slot] = None
-            self._free.append(slot)
-            f.slot = -1
-            cls = f.cls
-            cls.count -= 1
-            for link in cls.links:
-                self._link_count[link] -= 1
-            if not cls.count:
-                del self._classes[cls.key]
-                for link in cls.links:
-                    del self._on_link[link][cls]
-                self._class_free.append(cls.index)
+            self._remove(f)
         self._changed()
         for f in done:
             f.done()
 
+    def _remove(self, f: _Flow) -> None:
+        slot = f.slot
+        self._remaining[slot] = math.inf
+        self._rate[slot] = 1.0
+        self._class_of[slot] = 0
+        self._flow_at[slot] = None
+        self._free.append(slot)
+        f.slot = -1
+        cls = f.cls
+        cls.count -= 1
+        for link in cls.links:
+            self._link_count[link] -= 1
+        if not cls.count:
+            del self._classes[cls.key]
+            for link in cls.links:
+                del self._on_link[link][cls]
+            self._class_free.append(cls.index)
 
-class ClusterLinks:
-    """The links each message crosses, by layout (see :mod:`prophet_tf.bench.simulate`).
+    # -- rate lag -----------------------------------------------------------------------
 
-    dedicated: PS hosts of their own; one worker is simulated and PS p's link
-    carries the W workers' identical flows, so it gets 1/W of it.
-    colocated: PS p lives on worker host ``p % W``; every worker is simulated
-    (the placement need not be symmetric), and each host has one link each
-    way. A message between two hosts crosses the sender's uplink and the
-    receiver's downlink; one within a host crosses none.
-    """
+    def _lagged_change(self) -> None:
+        """Flows started or ended: the rates are due, at most rate_lag_s after
+        the last computation."""
+        if self._refill_at is None:
+            self._refill_at = max(self.now, self._last + self.rate_lag_s)
 
-    def __init__(self, layout: str, workers: int, num_ps: int, bytes_per_s: float):
-        self.layout, self.workers = layout, workers
-        #: Workers simulated: all of them when colocated, else one by symmetry.
-        self.simulated = workers if layout == "colocated" else 1
-        self.capacity = {}
-        for w in range(self.simulated):
-            self.capacity["w", w, "up"] = self.capacity["w", w, "down"] = bytes_per_s
-        if layout == "dedicated":
-            for ps in range(num_ps):
-                self.capacity["ps", ps, "up"] = bytes_per_s / workers
-                self.capacity["ps", ps, "down"] = bytes_per_s / workers
+    def _refill(self) -> None:
+        """The max-min rates of the flows in flight, and the order they end in."""
+        now = self.now
+        self._refill_at = None
+        self._epoch += 1  # the pending flow-end event was of the old rates
+        self._end_at = math.inf
+        remaining = self._remaining
+        remaining -= self._rate * (now - self._last)
+        self._last = now
+        self._late.clear()  # their rates are recomputed too
+        self._end_next = 0
+        if self._classes:
+            self._fill()
+            self._rate = rate = np.array(self._class_rate)[self._class_of]
+            ends = now + np.maximum(remaining, 0.0) / rate  # a free slot's: inf
+            # Ordered: the ends before the next computation if a flow starts or
+            # ends before it, else the first one (its end brings one at once).
+            soon = np.flatnonzero(ends <= now + self.rate_lag_s)
+            if not len(soon) and ends.min() < math.inf:
+                soon = np.array([ends.argmin()])
+            self._end_slots = soon[np.argsort(ends[soon], kind="stable")]
+            self._end_times = ends[self._end_slots]
+        else:
+            self._end_times = self._end_slots = np.zeros(0)
+            self._spare = list(self._link_capacity)
+        self._next_end()
 
-    def local_ps(self, worker: int, num_ps: int) -> list[int]:
-        """The PS tasks on ``worker``'s host (none in the dedicated layout)."""
-        if self.layout == "dedicated":
-            return []
-        return [ps for ps in range(num_ps) if ps % self.workers == worker]
+    def _next_end(self) -> None:
+        """Queues the flow-end event of the earliest end, unless it is queued."""
+        times, late = self._end_times, self._late
+        t = min(float(times[self._end_next]) if self._end_next < len(times) else math.inf,
+                late[0][0] if late else math.inf)
+        if t < self._end_at:
+            self._end_at = t
+            self._epoch += 1
+            epoch = self._epoch
+            self.at(t, lambda: self._lagged_finish(epoch))
 
-    def push_links(self, worker: int, ps: int) -> tuple:
-        if self.layout == "dedicated":
-            return (("w", worker, "up"), ("ps", ps, "down"))
-        host = ps % self.workers
-        return () if host == worker else (("w", worker, "up"), ("w", host, "down"))
-
-    def pull_links(self, worker: int, ps: int) -> tuple:
-        if self.layout == "dedicated":
-            return (("ps", ps, "up"), ("w", worker, "down"))
-        host = ps % self.workers
-        return () if host == worker else (("w", host, "up"), ("w", worker, "down"))
+    def _lagged_finish(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            return
+        self._end_at = math.inf
+        now = self.now
+        times, slots, late = self._end_times, self._end_slots, self._late
+        done = []
+        i = self._end_next
+        while i < len(times) and times[i] <= now:
+            done.append(self._flow_at[int(slots[i])])
+            i += 1
+        self._end_next = i
+        while late and late[0][0] <= now:
+            done.append(self._flow_at[heapq.heappop(late)[2]])
+        done.sort(key=lambda f: f.seq)
+        spare, rate = self._spare, self._rate
+        for f in done:
+            freed = float(rate[f.slot])
+            for link in f.cls.links:
+                spare[link] += freed
+            self._remove(f)
+        self._lagged_change()
+        self._next_end()
+        for f in done:
+            f.done()

@@ -191,8 +191,10 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                 and kwargs.get("aggregation") == tf.VariableAggregation.SUM):
             self.exchange.track_summed_variable(variable)  # A metric's total or count.
         elif (not variable.trainable and variable.dtype in checks.FLOAT_DTYPES
-              and not checks.is_internal(kwargs)):
-            self.exchange.track_averaged_variable(variable)  # Moving statistics.
+              and not checks.is_internal(kwargs) and not checks.made_by_an_optimizer()):
+            # Moving statistics, say. Not an optimizer's slots: the worker's optimizer
+            # leaves them to the PS (a custom step may still seem to write them).
+            self.exchange.track_averaged_variable(variable)
         if (checks.is_plain_resource_variable(variable) and variable.trainable
                 and variable.dtype in checks.FLOAT_DTYPES):
             variable = PSVariable.adopt(variable, key=len(self._ps_variables), step_variable=self._step)

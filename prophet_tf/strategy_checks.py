@@ -101,6 +101,12 @@ def is_internal(creator_kwargs: dict) -> bool:
     return str(creator_kwargs.get("name") or "").startswith(INTERNAL_NAME)
 
 
+def made_by_an_optimizer() -> bool:
+    """Whether the variable being created is an optimizer's (its slots, its step count):
+    a Keras 3 or tf_keras optimizer's method is on this thread's stack."""
+    return any(_keras_compat.is_optimizer(frame.f_locals.get("self")) for frame in _callers())
+
+
 def may_become_ps_variable(creator_kwargs: dict) -> bool:
     """Whether a variable created with these arguments can be adopted (trainable, float),
     decided before it exists; the adoption itself checks the variable it gets."""

@@ -217,7 +217,8 @@ class Exchange:
 
     def track_averaged_variable(self, variable) -> None:
         """A non-trainable floating-point variable made in the strategy's scope that is not
-        a metric's (BatchNormalization's moving statistics): custom loop steps that write
+        a metric's nor an optimizer's (BatchNormalization's moving statistics): custom loop
+        steps that write
         it leave its mean over the workers, as MultiWorkerMirroredStrategy's on-read
         MEAN variables read (and as ``fit`` leaves a model's moving statistics)."""
         self._averaged.append(variable)

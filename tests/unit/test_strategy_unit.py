@@ -388,6 +388,23 @@ def test_a_worker_optimizer_leaves_accumulation_to_the_ps():
     assert len(optimizer._accumulated_gradients) == 1
 
 
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+def test_custom_loops_average_moving_statistics_but_not_optimizer_variables(flavour):
+    """A custom step may seem to write the worker optimizer's slots (a cond that captures
+    them): averaging them over the workers would send the model's size for nothing."""
+    import importlib
+    keras = importlib.import_module("keras" if flavour == "keras3" else "tf_keras")
+    strategy = Strategy(worker_config(index=0))
+    with strategy.scope():
+        layer = keras.layers.BatchNormalization(name="bn")
+        layer.build((None, 3))
+        optimizer = keras.optimizers.Adam(0.1)
+        optimizer.build(layer.trainable_variables)
+    tracked = strategy.extended.exchange._averaged
+    names = sorted(v.name.split("/")[-1].split(":")[0] for v in tracked)
+    assert names == ["moving_mean", "moving_variance"], [v.name for v in tracked]
+
+
 def test_one_worker_s_forward_all_reduce_is_its_own_sum():
     strategy = Strategy(worker_config(spec={"worker": ["127.0.0.1:1001"],
                                             "ps": ["127.0.0.1:2001"]}))

@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = {"validation": rows, "bench_config": _without_profile(benches[0]["config"])}
             out["costs_from"] = [os.path.basename(p) for p in fit_paths] or None
             out["flow_share"], out["seeds"] = args.flow_share, args.seeds
+            out["rate_lag_s"] = lag  # what the predictions were made with
             _print_table(rows, columns)
         elif args.sweep:
             rows = sweep(profile, names, [2, 4, 8, 16, 32, 64],
@@ -405,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                                 ("step s", "step_time_s", ".4f"), ("ideal s", "ideal_step_time_s", ".4f"),
                                 ("vs fifo", "speedup_vs_fifo", ".2f")])
             out = {"model": args.model, "layout": "dedicated", "compute_s": args.compute_s,
-                   "command": "prophet-tf simulate " + " ".join(argv if argv is not None
+                   "rate_lag_s": lag, "command": "prophet-tf simulate " + " ".join(argv if argv is not None
                                                                else sys.argv[1:]),
                    "sweep": rows}
             if args.plot:

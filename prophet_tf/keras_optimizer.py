@@ -2,8 +2,7 @@
 
 The policy itself, which both ends check (the worker before it registers, the
 PS when it rebuilds the optimizer), is :mod:`prophet_tf.optimizer_policy`
-(``LOSS_SCALING_KEY``, ``needs_whole_variables`` and ``check_partitioning``
-below are its).
+(``LOSS_SCALING_KEY`` and ``needs_whole_variables`` below are its).
 
 A ``LossScaleOptimizer`` (the ``mixed_float16`` policy) is not itself sent:
 the worker pushes the unscaled gradients for its inner optimizer and marks the

@@ -20,8 +20,8 @@ what such an update cannot see:
   ones (Lamb: a norm of the weights and one of the update) are applied in
   two phases over a variable cut into several partitions
   (:mod:`prophet_tf.ps.lamb`), the others (Adafactor's factored moments) are
-  exact only while no variable is cut: the PS checks that at Register
-  (:func:`check_partitioning`).
+  applied to a cut variable whole, once all its partitions' sums of a step are
+  in (:mod:`prophet_tf.ps.whole_apply`, :func:`applies_whole`).
 * :data:`PER_ITERATION`: elementwise, but with state shared by all variables
   that every ``apply`` advances (Nadam's ``u_product``); the PS rewinds it
   before each partition's update, so it advances once per iteration
@@ -43,7 +43,7 @@ from typing import Sequence
 __all__ = ["NO_WEIGHT_DECAY_KEY", "LOSS_SCALING_KEY", "ELEMENTWISE", "WHOLE_VARIABLE", "TWO_PHASE",
            "PER_ITERATION", "SUPPORTED_OPTIMIZERS", "UNSUPPORTED_OPTIMIZERS",
            "REFUSED_OPTIONS", "CLIPPING_OPTIONS", "ACCUMULATION", "MAX_ECHO_CHARS",
-           "check_optimizer", "check_builtin", "check_options", "needs_whole_variables", "check_partitioning",
+           "check_optimizer", "check_builtin", "check_options", "needs_whole_variables", "applies_whole",
            "parse_config", "comparable", "global_clipnorm", "clipnorm",
            "loss_scaling"]
 
@@ -168,27 +168,11 @@ def needs_whole_variables(config: dict) -> bool:
     return config.get("class_name") in WHOLE_VARIABLE
 
 
-def check_partitioning(kind: str, split: Sequence, max_partition_bytes: int) -> None:
-    """Refuses a whole-variable optimizer that is not :data:`TWO_PHASE` when a
-    variable is split.
-
-    Args:
-        kind: the optimizer's class name.
-        split: ``VariableSpec``\\ s of the variables cut into several partitions.
-        max_partition_bytes: the limit that cut them.
-
-    Raises:
-        ValueError: ``kind`` is in :data:`WHOLE_VARIABLE`, not in :data:`TWO_PHASE`,
-            and ``split`` is not empty.
-    """
-    if split and kind in WHOLE_VARIABLE and kind not in TWO_PHASE:
-        raise ValueError(
-            f"optimizer={kind} needs whole variables but variable {split[0].key} "
-            f"({split[0].name!r}) is split into element ranges (it is larger than "
-            f"max_partition_bytes={max_partition_bytes}). Use an elementwise optimizer "
-            f"({', '.join(ELEMENTWISE)}), {' or '.join(TWO_PHASE)}, or a larger "
-            "max_partition_bytes. "
-            f"Received: optimizer={kind}")
+def applies_whole(kind: str) -> bool:
+    """Whether the PS applies a variable cut into several partitions whole, once
+    each partition's sum of a step is in: a :data:`WHOLE_VARIABLE` optimizer not
+    in :data:`TWO_PHASE` (:mod:`prophet_tf.ps.whole_apply`)."""
+    return kind in WHOLE_VARIABLE and kind not in TWO_PHASE
 
 
 def parse_config(text: str) -> dict:

@@ -27,9 +27,14 @@ def _accumulator(optimizer, variable):
     return optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
 
 
-def accumulated(optimizer, variable) -> np.ndarray:
-    """``variable``'s accumulator: the sum of the steps since its last update."""
-    return np.asarray(_accumulator(optimizer, variable).numpy())
+def accumulated(optimizer, part) -> np.ndarray:
+    """The accumulator of a partition (a ``registration.Part``): the sum of the steps
+    since its last update; its elements of the whole variable's where the variable
+    is applied whole (``whole_apply.py``)."""
+    if part.whole is None:
+        return np.asarray(_accumulator(optimizer, part.variable).numpy())
+    whole = np.asarray(_accumulator(optimizer, part.whole.variable).numpy())
+    return whole.reshape(-1)[part.plan.begin:part.plan.end]
 
 
 @contextlib.contextmanager

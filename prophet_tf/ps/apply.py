@@ -17,7 +17,8 @@ With ``clipnorm`` or ``global_clipnorm`` every update comes with its norm
 group's factor (:mod:`prophet_tf.ps.clipping`), which the traced update applies
 where Keras clips, inside ``optimizer.apply``. Lamb's partitions of a variable
 cut into several are applied in two phases, the second once the variable's
-trust ratio is known (:mod:`prophet_tf.ps.lamb`).
+trust ratio is known (:mod:`prophet_tf.ps.lamb`); Adafactor's, whole, once the
+variable's last partition's sum is in (:mod:`prophet_tf.ps.whole_apply`).
 A learning rate changed on the workers (callbacks) arrives with each
 iteration's pushes; schedules run here. A step of a loss-scaled model that
 overflowed is skipped (:mod:`prophet_tf.ps.verdicts`): the partition's next
@@ -38,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from prophet_tf import per_iteration
-from prophet_tf.ps import accumulation, aggregation, clipping, lamb, protocol
+from prophet_tf.ps import accumulation, aggregation, clipping, lamb, protocol, whole_apply
 
 __all__ = ["Applier", "read"]
 
@@ -79,6 +80,7 @@ class Applier:
         # callbacks on the workers; absent: the optimizer's own).
         self._learning_rates: dict[int, float] = {}
         self._ratios = lamb.Ratios()  # Lamb's cut variables (apply thread only)
+        self._held = whole_apply.Held()  # cut variables applied whole (apply thread only)
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
@@ -139,6 +141,9 @@ class Applier:
                 with self.lock:
                     if total is None:
                         applied = [(part, read(part))]
+                    elif part.whole is not None:
+                        applied = self._apply_whole(part, iteration, total,
+                                                    optimizer_iteration, factor)
                     elif part.lamb_partitions > 1:
                         applied = self._apply_lamb(part, iteration, total, optimizer_iteration,
                                                    factor)
@@ -193,6 +198,20 @@ class Applier:
         if ready is None:
             return []
         return [(p, read(p) if r is None else p.lamb.finish(r)) for p, r in ready]
+
+    def _apply_whole(self, part, iteration, total, optimizer_iteration, factor) -> list:
+        """A partition of a variable applied whole (:mod:`prophet_tf.ps.whole_apply`):
+        held until the variable's last partition of the step, then all applied at
+        once: ``[(part, value)]`` to publish, or ``[]`` until then."""
+        ready = self._held.add(part, iteration, total, optimizer_iteration, factor)
+        if ready is None:
+            return []
+        parts, totals, optimizer_iteration, factor = ready
+        self._set_learning_rate(iteration)
+        self._rewinder.before_update(optimizer_iteration)
+        values = part.whole.apply(self._optimizer, parts, totals, optimizer_iteration, factor,
+                                  self._patches, self._clips)
+        return list(zip(parts, values))
 
     def _patches(self, variable):
         """``(*factor) -> ExitStack`` of what a partition's traced update runs under:

@@ -173,7 +173,7 @@ class NormRPCs:
         optimizer = model.optimizer
         steps = getattr(optimizer, "gradient_accumulation_steps", None) or 0
         accumulating = dict(accumulation_steps=steps, accumulated=lambda part: (
-            accumulation.accumulated(optimizer, part.variable))) if steps else {}
+            accumulation.accumulated(optimizer, part))) if steps else {}
         mine = shared if self.ps_index in peers else ()
         if not mine:
             self._norm_hold = clipping.NormHold(clip, per_variable, counts, **accumulating)

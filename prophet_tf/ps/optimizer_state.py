@@ -7,13 +7,15 @@ kind of slot as a list indexed like their variables (``Adam._momentums``,
 those lists, so the PS and the worker, whose optimizers are the same class,
 name every slot the same way. A slot of partition p covers its elements
 ``[begin, end)`` of the variable flattened; the worker joins the partitions.
+A variable cut into partitions but applied whole (``whole_apply.py``) has
+whole slots, sent once, as partition 0's.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from prophet_tf import codec
-from prophet_tf.ps import sharding
+from prophet_tf.ps import registration, sharding
 from prophet_tf.ps.errors import invalid
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -21,17 +23,27 @@ __all__ = ["slot_lists", "read", "write"]
 
 
 def slot_lists(optimizer) -> dict[str, list]:
-    """``{attribute: [slot variable or None per optimizer variable]}`` of a built optimizer."""
+    """``{attribute: [slot variable or None per optimizer variable]}`` of a built optimizer
+    (None also for a placeholder that holds no state)."""
     variables = list(getattr(optimizer, "_trainable_variables", None) or [])
     found = {}
     for name, value in sorted(vars(optimizer).items()):
         if name == "_trainable_variables" or not isinstance(value, (list, tuple)):
             continue
         if len(value) == len(variables) and variables and all(
-                v is None or hasattr(v, "assign") for v in value) and any(
-                v is not None for v in value):
-            found[name] = list(value)
+                v is None or hasattr(v, "assign") for v in value):
+            # Adafactor's unfactored variables keep integer placeholders (Variable(0))
+            # in its factored slots' lists: no state, and not a parameter dtype.
+            value = [v if v is not None and _dtype(v) in codec.SUPPORTED_DTYPES else None
+                     for v in value]
+            if any(v is not None for v in value):
+                found[name] = value
     return found
+
+
+def _dtype(variable) -> str:
+    dtype = variable.dtype  # a str for Keras 3, a tf.DType for tf_keras
+    return getattr(dtype, "name", dtype)
 
 
 def read(parts: dict, optimizer, version: int) -> list[ps_pb2.OptimizerSlot]:
@@ -39,7 +51,9 @@ def read(parts: dict, optimizer, version: int) -> list[ps_pb2.OptimizerSlot]:
     slots = slot_lists(optimizer)
     out = []
     for (key, partition), part in sorted(parts.items()):
-        index = optimizer._get_variable_index(part.variable)
+        if part.whole is not None and partition != 0:
+            continue  # the whole variable's slots go with partition 0
+        index = optimizer._get_variable_index(registration.optimized(part))
         for name, values in slots.items():
             if values[index] is None:
                 continue
@@ -77,10 +91,13 @@ def write(parts: dict, optimizer, messages) -> int:
                           f"parse: {e}. Received: dtype={message.dtype!r}, "
                           f"shape={list(message.shape)}, {len(message.data)} bytes") from None
         for part in by_key.get(message.key, []):
-            variable = slots[message.slot][optimizer._get_variable_index(part.variable)]
+            if part.whole is not None and part.plan.partition != 0:
+                continue  # one slot for the whole variable, set at partition 0
+            variable = slots[message.slot][optimizer._get_variable_index(
+                registration.optimized(part))]
             if variable is None:
                 continue
-            if part.shape == tuple(part.spec.shape):
+            if part.whole is not None or part.shape == tuple(part.spec.shape):
                 # The whole variable: the slot as it is (a factored slot, as
                 # Adafactor's, has a shape of its own).
                 expected, values = tuple(variable.shape), array

@@ -28,11 +28,11 @@ import grpc
 import numpy as np
 
 from prophet_tf import codec, keras_optimizer, optimizer_policy
-from prophet_tf.ps import clipping, sharding
+from prophet_tf.ps import clipping, sharding, whole_apply
 from prophet_tf.ps.errors import RpcError, invalid, short
 from prophet_tf.ps.v1 import ps_pb2
 
-__all__ = ["Part", "Model", "load_keras", "check_request", "define_model", "check_same_model",
+__all__ = ["Part", "Model", "optimized", "load_keras", "check_request", "define_model", "check_same_model",
            "check_initial_values", "not_found", "pulled_parts", "check_chunk_bytes"]
 
 # Bounds on one declaration, checked before anything is planned or allocated.
@@ -62,6 +62,9 @@ class Part:
     # traced phases (prophet_tf.ps.lamb); 1 and None otherwise.
     lamb_partitions: int = 1
     lamb: object = None
+    # Adafactor over a variable of several partitions: the whole variable the
+    # optimizer updates once all their sums are in (prophet_tf.ps.whole_apply).
+    whole: object = None
 
     @property
     def name(self):
@@ -233,9 +236,6 @@ def define_model(request, ps_index: int, num_ps: int, max_partition_bytes: int,
                     f"shape={list(s.shape)}, dtype={s.dtype}")
     try:
         optimizer, no_decay = keras_optimizer.rebuild(config)
-        optimizer_policy.check_partitioning(
-            type(optimizer).__name__, [specs[p.key] for p in partitions if p.partition == 1],
-            limit)
         global_clipnorm = optimizer_policy.global_clipnorm(config)
         clipnorm = optimizer_policy.clipnorm(config)
         shared, peers = clipping.shared_groups(partitions, per_variable=bool(clipnorm)) \
@@ -262,8 +262,10 @@ def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
     keras = load_keras()
     parts = {}
     # Lamb over a cut variable takes its ratio over all of its partitions (lamb.py).
-    two_phase = type(model.optimizer).__name__ in optimizer_policy.TWO_PHASE
+    kind = type(model.optimizer).__name__
+    two_phase = kind in optimizer_policy.TWO_PHASE
     counts = collections.Counter(q.key for q in model.partitions)
+    wholes = {}  # key -> the WholeVariable of a cut one applied whole
     for p in sharding.owned_by(model.partitions, ps_index):
         spec = model.specs[p.key]
         dtype = codec.to_numpy_dtype(spec.dtype)
@@ -273,13 +275,29 @@ def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
         leaf = spec.name.rpartition("/")[2].partition(":")[0]
         variable = keras.Variable(np.zeros(shape, dtype), dtype=spec.dtype, trainable=True,
                                   name=leaf or f"variable_{p.key}")
+        whole = None
+        if counts[p.key] > 1 and optimizer_policy.applies_whole(kind):
+            whole = wholes.get(p.key)
+            if whole is None:
+                whole = wholes[p.key] = whole_apply.WholeVariable(keras.Variable(
+                    np.zeros(spec.shape, dtype), dtype=spec.dtype, trainable=True,
+                    name=variable.name), counts[p.key])
         parts[p.key, p.partition] = Part(spec, p, shape, dtype, variable,
-                                         lamb_partitions=counts[p.key] if two_phase else 1)
-    excluded = [part.variable for part in parts.values() if part.plan.key in no_decay]
+                                         lamb_partitions=counts[p.key] if two_phase else 1,
+                                         whole=whole)
+    excluded = [optimized(part) for part in parts.values() if part.plan.key in no_decay]
     if excluded:
         model.optimizer.exclude_from_weight_decay(var_list=excluded)
-    model.optimizer.build([part.variable for part in parts.values()])
+    # A cut variable applied whole once (at its first partition).
+    model.optimizer.build([optimized(part) for part in parts.values()
+                           if part.whole is None or part.plan.partition == 0])
     return parts
+
+
+def optimized(part: Part):
+    """The variable the optimizer updates for ``part``: its own, or the whole one it
+    is a partition of (its slots are that variable's)."""
+    return part.variable if part.whole is None else part.whole.variable
 
 
 def check_same_model(model: Model, request, max_partition_bytes: int) -> None:

@@ -290,18 +290,6 @@ def test_worker_and_ps_refuse_an_optimizer_with_the_same_message(make_servicer, 
     assert details == str(raised.value)
 
 
-def test_a_whole_variable_optimizer_is_refused_only_when_a_variable_is_split(make_servicer):
-    servicer = make_servicer()  # LIMIT splits dense/kernel
-    request = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, variables=specs(),
-                                     optimizer_config=config(keras.optimizers.Adafactor()))
-    expect_abort(servicer.Register, request, grpc.StatusCode.INVALID_ARGUMENT,
-                 "'dense/kernel'", "is split into element ranges",
-                 "Received: optimizer=Adafactor")
-    servicer = make_servicer(max_partition_bytes=1 << 20)
-    register(servicer, 0, config(keras.optimizers.Adafactor()))
-    register(make_servicer(), 0, config(keras.optimizers.Lamb()))  # two phases: below
-
-
 def test_global_clipnorm_holds_a_step_until_every_partition_has_its_sum(make_servicer):
     servicer = make_servicer()
     values = initial(1)
@@ -733,6 +721,21 @@ def test_lamb_takes_its_ratio_over_every_partition_of_a_cut_variable(make_servic
                                                                       make_optimizer):
     """dense/kernel in three element ranges: each moves by the whole variable's trust
     ratio (prophet_tf.ps.lamb), as Keras' Lamb moves the whole variable."""
+    _check_updates_equal_single_process_keras(make_servicer, make_optimizer, limit=LIMIT,
+                                              cut=SHAPES[0][0])
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: keras.optimizers.Adafactor(0.1),
+    lambda: keras.optimizers.Adafactor(lr_schedule(), weight_decay=0.01),
+    lambda: keras.optimizers.Adafactor(0.1, global_clipnorm=1.0),
+    lambda: keras.optimizers.Adafactor(0.1, clipnorm=0.5, gradient_accumulation_steps=2),
+], ids=["adafactor", "adafactor-schedule-decay", "adafactor-global-clipnorm",
+        "adafactor-clipnorm-accumulate-2"])
+def test_adafactor_applies_a_cut_variable_whole(make_servicer, make_optimizer):
+    """dense/kernel in three element ranges: applied as one matrix once all three
+    sums of a step are in (prophet_tf.ps.whole_apply), with its row and column
+    moments over the whole matrix, as Keras' Adafactor."""
     _check_updates_equal_single_process_keras(make_servicer, make_optimizer, limit=LIMIT,
                                               cut=SHAPES[0][0])
 

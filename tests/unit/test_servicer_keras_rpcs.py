@@ -175,6 +175,41 @@ def test_written_state_is_what_the_next_step_starts_from(make_servicer):
                                    0.9 * momentum[key] - 0.1 * grads[key], rtol=1e-6)
 
 
+def test_a_cut_variable_applied_whole_has_whole_slots_read_and_written_once(make_servicer):
+    """Adafactor's factored slots of the kernel cut into 3 partitions: one message per
+    slot, with the matrix's row and column shapes; written back, the next step
+    starts from them."""
+    servicer = make_servicer(num_workers=1)  # the kernel is split into 3 partitions
+    cfg = config(keras.optimizers.Adafactor(0.1))
+    values = initial()
+    register(servicer, 0, cfg, values)
+    def kernel_slots(version):
+        request = ps_pb2.OptimizerStateRequest(worker_id=0, min_version=version)
+        return [m for m in servicer.ReadOptimizerState(request, Context(10)) if m.key == 0]
+
+    assert sorted((m.slot, m.partition, tuple(m.shape)) for m in kernel_slots(0)) == [
+        ("_c", 0, (4,)), ("_r", 0, (6,)), ("_v", 0, (6, 4))]
+    reference_var = keras.Variable(values[0])
+    reference = keras.optimizers.Adafactor(0.1)
+    reference.build([reference_var])
+    rng = np.random.default_rng(3)
+    written = {"_r": rng.random(6, np.float32), "_c": rng.random(4, np.float32),
+               "_v": rng.random((6, 4), np.float32)}
+    for name, array in written.items():
+        getattr(reference, name)[0].assign(array)
+    slots = [ps_pb2.OptimizerSlot(worker_id=0, key=0, slot=name, dtype="float32",
+                                  shape=list(array.shape), data=array.tobytes())
+             for name, array in written.items()]
+    assert servicer.WriteOptimizerState(iter(slots), Context()).slots == 3
+    grads = initial(seed=6)
+    push(servicer, 0, grad_chunks(grads, 0))
+    reference.apply([grads[0]], [reference_var])
+    for m in kernel_slots(1):
+        np.testing.assert_allclose(np.frombuffer(m.data, np.float32).reshape(m.shape),
+                                   getattr(reference, m.slot)[0].numpy(), rtol=1e-6,
+                                   err_msg=m.slot)
+
+
 def test_write_rejects_an_unknown_slot_naming_it(make_servicer):
     servicer = make_servicer(num_workers=1)
     register(servicer, 0, config(keras.optimizers.SGD(0.1, momentum=0.9)), initial())

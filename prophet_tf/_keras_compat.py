@@ -51,6 +51,13 @@ _DROPPED_OPTIONS = ("jit_compile", "is_legacy_optimizer")
 # tf_keras options without a Keras 3 counterpart that get_config leaves out,
 # with the value that computes what Keras 3 computes.
 _HIDDEN_OPTIONS = {"adaptive_epsilon": False}
+# tf_keras options the PS could apply but the worker's own apply cannot leave to it.
+_WORKER_SIDE_OPTIONS = {
+    "use_ema": "tf_keras' optimizer updates its moving averages inside its own "
+               "apply_gradients on the worker, from the variables' values, which live on "
+               "the PS mid-step; Keras 3 optimizers leave them to the PS. Use a Keras 3 "
+               "optimizer with use_ema, or remove it",
+}
 
 
 def _tf_keras():
@@ -126,6 +133,10 @@ def keras3_optimizer_config(optimizer) -> dict:
         if value != neutral:
             raise ValueError(f"Keras 3's {kind} has no option {option}, so the parameter "
                              f"server cannot apply it. Received: {option}={value!r}")
+    for option, reason in _WORKER_SIDE_OPTIONS.items():
+        if getattr(optimizer, option, False):
+            raise ValueError(f"prophet_tf cannot train with tf_keras' {kind}({option}=...): "
+                             f"{reason}. Received: {option}={getattr(optimizer, option)!r}")
     learning_rate = _learning_rate_config(optimizer)  # Before get_config, which may fail on it.
     config = {key: _plain(value) for key, value in optimizer.get_config().items()
               if key not in _DROPPED_OPTIONS}

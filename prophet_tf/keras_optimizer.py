@@ -39,9 +39,10 @@ from prophet_tf.optimizer_policy import (ACCUMULATION, CLIPPING_OPTIONS, LOSS_SC
                                          check_optimizer, check_options)
 
 __all__ = ["config_json", "rebuild", "clips", "leave_to_the_ps", "left_to_the_ps",
-           "clip_on_the_ps", "check_worker_optimizer", "steps_taken"]
+           "clip_on_the_ps", "check_worker_optimizer", "steps_taken", "swap_at_finalize"]
 
 _LEFT_TO_THE_PS = "_prophet_tf_left_to_the_ps"
+_SWAPS_ON_THE_PS = "_prophet_tf_swaps_on_the_ps"
 
 
 # --- the worker's side ---------------------------------------------------------
@@ -139,21 +140,25 @@ def clips(optimizer) -> bool:
 
 def leave_to_the_ps(optimizer) -> None:
     """Makes a worker's Keras 3 optimizer hand the strategy every step's gradient,
-    unclipped: the PS clips and accumulates the sum of all workers'.
+    unclipped: the PS clips, accumulates and keeps the moving averages of the sum of
+    all workers'.
 
     Keras 3 clips inside ``optimizer.apply``, before the strategy receives the
-    gradients, and with ``gradient_accumulation_steps`` hands them over only every
-    N-th step. On this object only (and on a ``LossScaleOptimizer``'s inner
-    optimizer): ``_clip_gradients`` returns the gradients as they are, and
-    ``_backend_apply_gradients`` runs Keras' own path without accumulation (its
-    accumulators stay, for saved models). Before the step is traced. tf_keras
-    hands the strategy its gradients before it clips them, so it needs nothing.
+    gradients, with ``gradient_accumulation_steps`` hands them over only every
+    N-th step, and with ``use_ema`` updates its averages from the variables (whose
+    next values are the PS's to compute). On this object only (and on a
+    ``LossScaleOptimizer``'s inner optimizer): ``_clip_gradients`` returns the
+    gradients as they are, and ``_backend_apply_gradients`` runs Keras' own path
+    without accumulation and averages (its accumulators and averages stay, for
+    saved models). Before the step is traced. tf_keras hands the strategy its
+    gradients before it clips them, so it needs nothing (its ``use_ema`` is
+    refused: ``_keras_compat``).
     """
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is None or not hasattr(opt, "_clip_gradients") or left_to_the_ps(opt):
             continue
         opt._clip_gradients = lambda grads: grads
-        if getattr(opt, "gradient_accumulation_steps", None):
+        if getattr(opt, "gradient_accumulation_steps", None) or getattr(opt, "use_ema", False):
             opt._backend_apply_gradients = _every_step(opt)
         setattr(opt, _LEFT_TO_THE_PS, True)
 
@@ -163,9 +168,10 @@ clip_on_the_ps = leave_to_the_ps
 
 
 def _every_step(opt):
-    """``opt._backend_apply_gradients`` without accumulation: Keras' own branch for
-    an optimizer without ``gradient_accumulation_steps`` (``use_ema`` is refused).
-    The option itself stays set: the worker registers it with the PS."""
+    """``opt._backend_apply_gradients`` without accumulation and moving averages:
+    Keras' own branch for an optimizer without ``gradient_accumulation_steps`` or
+    ``use_ema``. The options themselves stay set: the worker registers them with
+    the PS."""
 
     def apply_every_step(grads, trainable_variables):
         grads = opt._clip_gradients(grads)
@@ -200,13 +206,25 @@ def check_worker_optimizer(optimizer) -> None:
     if (optimizer is None or _keras_compat.is_tf_keras_optimizer(optimizer)
             or left_to_the_ps(optimizer)):
         return
-    options = {o: getattr(optimizer, o) for o in CLIPPING_OPTIONS + (ACCUMULATION,)
+    options = {o: getattr(optimizer, o) for o in CLIPPING_OPTIONS + (ACCUMULATION, "use_ema")
                if getattr(optimizer, o, None)}
     if not options:
         return
     raise ValueError(
-        "The PS clips and accumulates the sum of all workers' gradients, but this "
-        "optimizer's own apply would clip or accumulate this worker's share first: train "
+        "The PS clips, accumulates and averages (use_ema) the sum of all workers' "
+        "gradients and the weights, but this optimizer's own apply would clip or accumulate "
+        "this worker's share first, or average the weights mid-step: train "
         "with model.fit/train_on_batch, or call "
         "prophet_tf.keras_optimizer.leave_to_the_ps(optimizer) before the first step. "
         f"Received: {type(optimizer).__name__} {optimizer.name!r} with {options}")
+
+
+def swap_at_finalize(optimizer, swap) -> None:
+    """With ``use_ema``: the worker's ``optimizer.finalize_variable_values`` (which
+    Keras' ``fit`` calls at its end, to overwrite the variables with their moving
+    averages) calls ``swap()`` instead, which has the PS do it
+    (``prophet_tf.ps.ema``). Nothing without ``use_ema``."""
+    if not getattr(optimizer, "use_ema", False) or getattr(optimizer, _SWAPS_ON_THE_PS, False):
+        return
+    optimizer.finalize_variable_values = lambda var_list: swap()
+    setattr(optimizer, _SWAPS_ON_THE_PS, True)

@@ -28,12 +28,12 @@ what such an update cannot see:
   (:mod:`prophet_tf.per_iteration`).
 * Anything else is refused.
 
-Options refused (:data:`REFUSED_OPTIONS`): Keras keeps the moving average
-inside ``optimizer.apply`` over every variable at once, which a PS applying one
-partition at a time cannot. ``gradient_accumulation_steps`` is accumulated on
-the PS (:mod:`prophet_tf.ps.accumulation`); ``clipnorm`` and ``global_clipnorm``
-take their norms over all partitions there (:mod:`prophet_tf.ps.clipping`),
-with or without accumulation.
+Options: ``gradient_accumulation_steps`` is accumulated on the PS
+(:mod:`prophet_tf.ps.accumulation`); ``clipnorm`` and ``global_clipnorm`` take
+their norms over all partitions there (:mod:`prophet_tf.ps.clipping`), with or
+without accumulation; ``use_ema``'s moving averages are kept per partition there
+and swapped in at the end of ``fit`` (:mod:`prophet_tf.ps.ema`). An option the PS
+could not apply exactly would be in :data:`REFUSED_OPTIONS` (none is now).
 """
 from __future__ import annotations
 
@@ -81,11 +81,7 @@ UNSUPPORTED_OPTIMIZERS = {
 }
 
 #: Optimizer options prophet_tf cannot apply exactly, with the reason.
-REFUSED_OPTIONS = {
-    "use_ema": "at the end of fit Keras overwrites the variables with their averages, "
-               "a parameter version that no training step produces, which the PS and "
-               "the workers cannot follow",
-}
+REFUSED_OPTIONS: dict[str, str] = {}
 #: The optimizer options that clip gradients (Keras 3 and tf_keras alike).
 CLIPPING_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm")
 #: Keras 3's option to apply the average of every N steps' gradients.

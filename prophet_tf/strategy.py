@@ -353,8 +353,13 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
             keras_optimizer.check_worker_optimizer(checks.optimizer_of(fn))
         position = len(self._trained_this_trace)
         if position >= len(self._raw_grads):
-            raise RuntimeError(f"More updates than gradients: {var.name!r} has no gradient "
-                               f"among the {len(self._raw_grads)} reduced.")
+            raise ValueError(  # outside a step, e.g. Keras' SwapEMAWeights
+                f"An update of {var.name!r} without a gradient of this step: under "
+                "prophet_tf.Strategy the PS applies the optimizer and keeps use_ema's "
+                "averages, swapped in at the end of fit; a trainable variable cannot be "
+                "assigned through strategy.extended.update (Keras' SwapEMAWeights callback "
+                f"does). Received: {len(self._raw_grads)} gradients for "
+                f"{position + 1} updates")
         grad = self._raw_grads[position]
         if isinstance(grad, tf.IndexedSlices):
             grad = tf.convert_to_tensor(grad)
@@ -416,12 +421,23 @@ class PSExtended(one_device_strategy.OneDeviceExtended):
                 self._step.assign(start)
             # Saved models hold the PS's optimizer state; a resumed one seeds it.
             self.saved_state.start(optimizer, trained, resume_step)
+            keras_optimizer.swap_at_finalize(optimizer, self._swap_averages)  # use_ema
             for variable in untrained:
                 # Frozen: its reads return the staged local value at any step.
                 _native.freeze_param(variable.native_key)
             for variable in trained:
                 variable._ps_managed = True
         self._registered = trained
+
+
+    def _swap_averages(self) -> None:
+        """use_ema's end of fit: the PS tasks overwrite the weights with their moving
+        averages as the last step's version, which this worker then reads."""
+        if not tf.executing_eagerly():
+            raise NotImplementedError(
+                "Under prophet_tf.Strategy the PS swaps in the moving averages (use_ema): "
+                "call optimizer.finalize_variable_values eagerly, outside tf.function.")
+        self.engine.swap_averages(int(self._step.numpy()))
 
 
 def optimizer_config(optimizer, trained: list, scaled: bool = False) -> str:

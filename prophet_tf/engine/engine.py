@@ -105,6 +105,7 @@ class Engine:
         self.answers_first = os.environ.get(ANSWERS_FIRST_ENV, "1") != "0" \
             if answers_first is None else bool(answers_first)
         self._started = False
+        self._swaps = 0  # use_ema's swap rounds so far (every worker counts the same)
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
@@ -289,6 +290,57 @@ class Engine:
                     pending[i] = ask(i)  # the PS keeps a repeated verdict once
         # Every PS task answers the same verdicts; any one decides.
         return all(results[0])
+
+    # -- use_ema -------------------------------------------------------------------------
+
+    def swap_averages(self, version: int) -> None:
+        """use_ema's end of fit (``prophet_tf.ps.ema``): every PS task overwrites its
+        partitions with their moving averages as version ``version`` (the last
+        step's), once every worker has asked; then this worker pulls that version
+        anew, so its reads see the averages.
+
+        Raises:
+          RuntimeError: the engine failed, a PS refused, or this worker's own
+            parameters of ``version`` never came.
+        """
+        if not self._started:
+            raise RuntimeError("the engine has not started: no training to finalize")
+        # The pullers are done with `version` once all of it is staged; a chunk of
+        # it still in flight would land after the averages.
+        waited = time.monotonic()
+        for native_key in self._dispatch.native_keys:
+            while (self._native.param_version(native_key) or 0) < version:  # None: never
+                if self._stop.is_set() or time.monotonic() - waited > self.rpc_timeout_s:
+                    raise RuntimeError(
+                        f"worker {self.worker_id}: version {version} of parameter "
+                        f"{native_key} never came before the swap of the moving averages"
+                        + (f": {self._error}" if self._error else ""))
+                time.sleep(0.001)
+        swap, self._swaps = self._swaps, self._swaps + 1
+
+        def ask(i: int):
+            return self._clients[i].swap_averages_future(swap, version,
+                                                         timeout=self.rpc_timeout_s)
+
+        pending = {i: ask(i) for i in range(len(self._clients))}  # all in flight at once
+        while pending:
+            for i, future in list(pending.items()):
+                try:
+                    future.result()
+                    del pending[i]
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self._stop.is_set():
+                        raise RuntimeError(
+                            f"The swap of the moving averages at version {version} on the "
+                            f"PS at {self._clients[i].address} failed: "
+                            f"{liveness.rpc_message(e)}") from None
+                    logger.warning("worker %d: still waiting after %.0f s for the other "
+                                   "workers to end fit", self.worker_id, self.rpc_timeout_s)
+                    pending[i] = ask(i)  # the same round again: the PS keeps it
+        for ps_index in range(len(self._clients)):
+            self._parameters_in.pull_version(ps_index, version)
+        logger.info("worker %d: the moving averages replace the weights of step %d",
+                    self.worker_id, version)
 
     # -- liveness ------------------------------------------------------------------------
 

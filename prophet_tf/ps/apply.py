@@ -39,7 +39,8 @@ from typing import Callable
 import numpy as np
 
 from prophet_tf import per_iteration
-from prophet_tf.ps import accumulation, aggregation, clipping, lamb, protocol, whole_apply
+from prophet_tf.ps import (accumulation, aggregation, clipping, ema, lamb, protocol,
+                           whole_apply)
 
 __all__ = ["Applier", "read"]
 
@@ -191,13 +192,15 @@ class Applier:
             part.lamb = lamb.LambPartition(
                 self._optimizer, part.variable,
                 tf.TensorSpec(part.shape, aggregation.SUM_DTYPES[part.spec.dtype]),
-                self._clips, self._patches(part.variable))
+                self._clips, self._patches(part.variable, averages=False))
         ready = self._ratios.add(part, iteration,
                                  *part.lamb.moments(total.reshape(part.shape),
                                                     optimizer_iteration, factor))
         if ready is None:
             return []
-        return [(p, read(p) if r is None else p.lamb.finish(r)) for p, r in ready]
+        averages = getattr(self._optimizer, "use_ema", False)  # updated in the second phase
+        return [(p, read(p) if r is None and not averages else
+                 p.lamb.finish(r, optimizer_iteration)) for p, r in ready]
 
     def _apply_whole(self, part, iteration, total, optimizer_iteration, factor) -> list:
         """A partition of a variable applied whole (:mod:`prophet_tf.ps.whole_apply`):
@@ -213,15 +216,17 @@ class Applier:
                                   self._patches, self._clips)
         return list(zip(parts, values))
 
-    def _patches(self, variable):
+    def _patches(self, variable, averages: bool = True):
         """``(*factor) -> ExitStack`` of what a partition's traced update runs under:
-        accumulation's reset narrowed to it, and with a clipping factor, the factor
-        where Keras clips."""
+        accumulation's reset and use_ema's averages narrowed to it, and with a
+        clipping factor, the factor where Keras clips."""
         optimizer = self._optimizer
 
         def enter(*factor):
             stack = contextlib.ExitStack()
             stack.enter_context(accumulation.one_partition(optimizer, variable))
+            stack.enter_context(ema.one_partition(optimizer, variable) if averages
+                                else ema.deferred(optimizer))
             if factor:
                 stack.enter_context(clipping.scaled_by(optimizer, *factor))
             return stack

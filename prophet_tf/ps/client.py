@@ -24,7 +24,8 @@ from prophet_tf import codec, optimizer_policy
 from prophet_tf.ps import health, sharding
 from prophet_tf.ps import security as security_lib
 from prophet_tf.ps.protocol import (MAX_MESSAGE_BYTES, SERVICE_NAME, PulledChunk,
-                                    channel_options, decode_parameter_chunk, encode_push)
+                                    channel_options, decode_parameter_chunk, encode_push,
+                                    encode_swap_version)
 from prophet_tf.ps.v1 import ps_pb2
 
 __all__ = ["PSClient", "Chunk", "PulledChunk", "register_all", "variable_specs"]
@@ -102,6 +103,9 @@ class PSClient:
             response_deserializer=ps_pb2.GatherResponse.FromString)
         self._verdict = self._channel.unary_unary(
             method + "Verdict", request_serializer=ps_pb2.GatherRequest.SerializeToString,
+            response_deserializer=ps_pb2.GatherResponse.FromString)
+        self._swap = self._channel.unary_unary(
+            method + "SwapAverages", request_serializer=ps_pb2.GatherRequest.SerializeToString,
             response_deserializer=ps_pb2.GatherResponse.FromString)
         self._read_state = self._channel.unary_stream(
             method + "ReadOptimizerState",
@@ -268,6 +272,13 @@ class PSClient:
         request = ps_pb2.GatherRequest(worker_id=self.worker_id, round=step,
                                        payload=b"\x01" if finite else b"\x00")
         return self._verdict.future(request, timeout=timeout)
+
+    def swap_averages_future(self, swap: int, version: int, timeout: float | None = None):
+        """use_ema's end of fit: this worker's call of swap round ``swap`` at
+        ``version`` (``ema.py``); the future completes once the PS has swapped."""
+        request = ps_pb2.GatherRequest(worker_id=self.worker_id, round=swap,
+                                       payload=encode_swap_version(version))
+        return self._swap.future(request, timeout=timeout)
 
     def read_optimizer_state(self, min_version: int, timeout: float | None = None) -> list:
         """The optimizer's slots (``OptimizerSlot``) of this PS's partitions at ``min_version``."""

@@ -22,6 +22,9 @@ is updated in two phases, both on the apply thread:
 
 A step that only accumulates (``gradient_accumulation_steps``) calls no
 ``update_step``: its first phase says so and the second leaves the weights.
+With ``use_ema`` the moving average follows the weights of the second phase
+(``ema.after_update``), not those of the first, which Keras' ``apply`` would
+average: the first phase runs without it.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import contextlib
 import math
 
 import numpy as np
+
+from prophet_tf.ps import ema
 
 __all__ = ["LambPartition", "Ratios", "ratio"]
 
@@ -131,17 +136,21 @@ class LambPartition:
             return (self._applied.read_value(), tf.reduce_sum(w * w),
                     tf.reduce_sum(r * r))
 
-        def finish(trust_ratio):
-            # Keras: assign_sub(variable, ratio * lr * update).
-            variable.assign_sub(tf.cast(trust_ratio, dtype) * self._lr * self._update)
+        def finish(trust_ratio, applied, iteration):
+            # Keras: assign_sub(variable, ratio * lr * update); x - 0 is x exactly.
+            variable.assign_sub(tf.cast(applied, dtype) * tf.cast(trust_ratio, dtype) *
+                                self._lr * self._update)
+            optimizer._iterations.assign(iteration)
+            ema.after_update(optimizer, variable)
             return variable.value.read_value()
 
         signature = [gradient_spec, tf.TensorSpec((), tf.int64)]
         if clips:
             signature += [tf.TensorSpec((), tf.float32)] * 2
         first = tf.function(moments, autograph=False, input_signature=signature)
-        second = tf.function(finish, autograph=False,
-                             input_signature=[tf.TensorSpec((), tf.float32)])
+        second = tf.function(finish, autograph=False, input_signature=[
+            tf.TensorSpec((), tf.float32), tf.TensorSpec((), tf.bool),
+            tf.TensorSpec((), tf.int64)])
         for fn in (first, second):
             fn._omit_frequent_tracing_warning = True  # one trace per partition, by design
         self._first = first.get_concrete_function()
@@ -155,8 +164,13 @@ class LambPartition:
                                       *(tf.constant(f, tf.float32) for f in factor or ()))
         return bool(applied.numpy()), float(w2.numpy()), float(r2.numpy())
 
-    def finish(self, trust_ratio) -> np.ndarray:
-        """Phase 2: the weights moved by ``trust_ratio * lr * direction``; their values."""
+    def finish(self, trust_ratio, iteration: int) -> np.ndarray:
+        """Phase 2: the weights moved by ``trust_ratio * lr * direction`` (None: not
+        moved, a step that only accumulates), then the moving average
+        updated (``use_ema``); their values. ``iteration``: the optimizer's raw
+        iteration of the first phase."""
         import tensorflow as tf
 
-        return np.asarray(self._second(tf.constant(trust_ratio, tf.float32)).numpy())
+        return np.asarray(self._second(
+            tf.constant(1.0 if trust_ratio is None else trust_ratio, tf.float32),
+            tf.constant(trust_ratio is not None), tf.constant(iteration, tf.int64)).numpy())

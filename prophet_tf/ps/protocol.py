@@ -36,7 +36,8 @@ from prophet_tf.ps.v1 import ps_pb2
 __all__ = ["MAX_MESSAGE_BYTES", "MAX_CHUNK_BYTES", "SERVICE_NAME", "channel_options",
            "server_options", "encode_len_field_header", "parse_fields", "encode_push",
            "parse_push_request", "encode_parameter_chunk", "decode_parameter_chunk",
-           "tolerant_parser", "PulledChunk", "GradientChunk", "PushRequest"]
+           "tolerant_parser", "PulledChunk", "GradientChunk", "PushRequest",
+           "encode_swap_version", "decode_swap_version"]
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # The largest partition one message may carry: the limit less what a message
@@ -336,3 +337,20 @@ def tolerant_parser(message_class, max_fields: int = 1 << 17):
         except (DecodeError, ValueError) as e:
             return _Malformed(message_class(worker_id=-1), f"{e} ({len(message)} bytes)")
     return parse
+
+
+def encode_swap_version(version: int) -> bytes:
+    """A SwapAverages payload: the version every worker swaps at (little-endian int64)."""
+    return struct.pack("<q", version)
+
+
+def decode_swap_version(payload: bytes) -> int:
+    """The version of a SwapAverages payload.
+
+    Raises:
+        ValueError: not 8 bytes; says how many.
+    """
+    if len(payload) != 8:
+        raise ValueError("A SwapAverages payload is the version to swap at (8 bytes). "
+                         f"Received: {len(payload)} bytes")
+    return struct.unpack("<q", payload)[0]

@@ -118,6 +118,10 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
             servicer.ReadOptimizerState,
             request_deserializer=protocol.tolerant_parser(ps_pb2.OptimizerStateRequest),
             response_serializer=ps_pb2.OptimizerSlot.SerializeToString),
+        "SwapAverages": grpc.unary_unary_rpc_method_handler(
+            servicer.SwapAverages,
+            request_deserializer=protocol.tolerant_parser(ps_pb2.GatherRequest),
+            response_serializer=ps_pb2.GatherResponse.SerializeToString),
         "WriteOptimizerState": grpc.stream_unary_rpc_method_handler(
             servicer.WriteOptimizerState,
             request_deserializer=protocol.tolerant_parser(ps_pb2.OptimizerSlot),

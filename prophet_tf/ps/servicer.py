@@ -9,9 +9,9 @@ It owns the locking and wires the concerns together, each in its module:
 
 * ``registration.py``: Register, the declaration checks, the same-model check;
 * ``aggregation.py``: the iteration rules of a push, the NaN/Inf check, sums;
-* ``verdicts.py``: a loss-scaled model's steps, applied or skipped as all
-  workers' verdicts say;
-* ``apply.py``: the optimizer apply thread (``lamb.py``: Lamb over a cut variable);
+* ``verdicts.py``: a loss-scaled model's steps, applied or skipped by verdicts;
+* ``apply.py``: the optimizer apply thread (``lamb.py``: Lamb over a cut variable,
+  ``whole_apply.py``: Adafactor's); ``ema.py``: use_ema's averages, SwapAverages;
 * ``clipping.py``: ``global_clipnorm`` and ``clipnorm``, a step's sums held
   until their norm is known; ``norm_sharing.py``: norms over partitions on
   several PS tasks, agreed through PS task 0 (ShareNorm);
@@ -22,8 +22,7 @@ It owns the locking and wires the concerns together, each in its module:
   partition reaches a version and restored at the first Register (the one of
   the workers' ``resume_step`` when they resume from their own backup, else
   the newest);
-* ``pulls.py``: Pull, which sends each partition the moment it reaches the
-  version asked for, and Owed.
+* ``pulls.py``: Pull (each partition the moment it reaches the version) and Owed.
 
 Locks: ``_lock`` (the state: model definition, versions, sums, liveness) and
 the applier's lock (the optimizer and the variables). Where both are held,
@@ -41,6 +40,7 @@ import grpc
 
 from prophet_tf.ps import (aggregation, apply, gather, liveness, protocol, registration,
                            security, sharding, verdicts)
+from prophet_tf.ps.ema import SwapRPCs
 from prophet_tf.ps.keras_rpcs import KerasRPCs
 from prophet_tf.ps.norm_sharing import NormRPCs
 from prophet_tf.ps.pulls import PullRPCs
@@ -53,7 +53,7 @@ __all__ = ["ParameterServerServicer"]
 
 logger = logging.getLogger(__name__)
 
-class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs):
+class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs, SwapRPCs):
     """Implements the ``prophet_tf.ps.v1.ParameterServer`` methods.
 
     Args:
@@ -143,6 +143,7 @@ class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs):
             same_calls="a worker sends one verdict per step")
         self._verdicts = verdicts.Verdicts()
         self._init_norms(peer_security)  # clipping's (norm_sharing.py)
+        self._init_swaps()  # use_ema's (ema.py)
 
     # ------------------------------------------------------------------ RPCs
 
@@ -383,6 +384,7 @@ class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs):
         self._published.notify_all()
         self._gatherer.wake()
         self._verdict_rounds.wake()
+        self._swap_rounds.wake()
         if self._norm_rounds is not None:
             self._norm_rounds.wake()
 

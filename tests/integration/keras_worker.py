@@ -184,19 +184,21 @@ def build_model(model_kind: str, hidden: int = 8, seed: int = SEED):
     return K.Sequential(layers, name="net")
 
 
-#: Clipping added to an optimizer by the suffix "+<option>" (e.g. "momentum+clipnorm"):
-#: small enough that every step of the test models clips.
-CLIPPING = {"clipnorm": {"clipnorm": 0.05}, "clipvalue": {"clipvalue": 0.02},
-            "global_clipnorm": {"global_clipnorm": 0.05},
-            # Keras 3: the average of every 2 steps' gradients, clipped.
-            "clipnorm_accumulate": {"clipnorm": 0.05, "gradient_accumulation_steps": 2}}
+#: Options added to an optimizer by the suffix "+<name>" (e.g. "momentum+clipnorm"):
+#: clipping small enough that every step of the test models clips.
+SUFFIX_OPTIONS = {"clipnorm": {"clipnorm": 0.05}, "clipvalue": {"clipvalue": 0.02},
+                  "global_clipnorm": {"global_clipnorm": 0.05},
+                  # Keras 3: the average of every 2 steps' gradients, clipped.
+                  "clipnorm_accumulate": {"clipnorm": 0.05, "gradient_accumulation_steps": 2},
+                  # Keras 3: moving averages swapped in at the end of every fit.
+                  "clipnorm_ema": {"clipnorm": 0.05, "use_ema": True, "ema_momentum": 0.5}}
 
 
 def make_optimizer(name: str):
     if "+" in name:
         base, clip = name.split("+")
         optimizer = make_optimizer(base)
-        config = dict(optimizer.get_config(), **CLIPPING[clip])
+        config = dict(optimizer.get_config(), **SUFFIX_OPTIONS[clip])
         return type(optimizer).from_config(config)
     opt = K.optimizers
     if name == "sgd":
@@ -488,7 +490,8 @@ def main(argv=None) -> int:
                                                 "momentum+clipnorm", "momentum+clipnorm_accumulate",
                                                 "schedule+clipvalue",
                                                 "nadam_schedule+clipvalue",
-                                                "adam+clipnorm", "sgd+global_clipnorm"],
+                                                "adam+clipnorm", "adam+clipnorm_ema",
+                                                "sgd+global_clipnorm"],
                         default="sgd")
     parser.add_argument("--model", choices=["mlp", "bn", "norm", "cnn"], default="mlp")
     parser.add_argument("--data", choices=["numpy", "dataset", "pydataset", "sequence"],

@@ -12,8 +12,9 @@ at it (clusters are the expensive part: each task imports TensorFlow):
   momentum  2 workers, 1 PS, MLP, tf.data.Dataset, clipnorm, gradient_accumulation_steps=2,
             LearningRateScheduler over 3 epochs of 3 steps
   rounds    2 workers, 2 PS, CNN, keras.utils.PyDataset (variables on both PS tasks), Adam
-            with clipnorm (each variable whole on one PS task): fit, evaluate, predict, fit
-            again (the first fit's weights are kept too)
+            with clipnorm (each variable whole on one PS task) and use_ema (the averages
+            swapped in at the end of each fit): fit, evaluate, predict, fit again (the
+            first fit's weights are kept too)
   schedule  2 workers, 2 PS, MLP with LayerNormalization and GroupNormalization, numpy,
             Nadam with ExponentialDecay, clipvalue
   bn        2 workers, 1 PS, MLP with BatchNormalization, 3 epochs
@@ -50,8 +51,8 @@ CONFIGS = {
                      data="numpy"),
     "bn": dict(workers=2, ps=1, optimizer="adam", model="bn", data="numpy", epochs=3, steps=4),
     # fit -> evaluate -> predict -> fit, run twice (see test_fit_evaluate_predict_fit...).
-    "rounds": dict(workers=2, ps=2, optimizer="adam+clipnorm", model="cnn", data="pydataset",
-                   rounds=2),
+    "rounds": dict(workers=2, ps=2, optimizer="adam+clipnorm_ema", model="cnn",
+                   data="pydataset", rounds=2),
     "misuse": dict(workers=1, ps=1, optimizer="sgd", model="mlp", data="numpy",
                    scenario="misuse", watchdog=40.0),
 }

@@ -270,7 +270,6 @@ class SGD(keras.optimizers.SGD):
 REFUSED_BY_BOTH = [
     (lambda: SGD(0.1), "Received: optimizer class_name='SGD', module='test_servicer', "
                        "registered_name='SGD'"),
-    (lambda: keras.optimizers.Adam(use_ema=True), "Received: use_ema=True"),
     (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
      "Received: optimizer=LossScaleOptimizer"),
 ]

@@ -1,4 +1,6 @@
 """prophet_tf.strategy without a cluster: split_batches and the constructor's errors."""
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -165,11 +167,19 @@ def test_non_positive_rpc_timeout_is_rejected():
         Strategy(cluster=worker_config(0), rpc_timeout_s=0)
 
 
-def test_unsupported_optimizer_options_are_named():
+def test_use_ema_reaches_the_ps_and_a_custom_loop_must_leave_it_there():
+    """The PS keeps Keras 3's moving averages (prophet_tf.ps.ema); a worker optimizer's
+    own apply would average the weights mid-step, so a custom loop is refused until
+    the averaging is left to the PS, as fit does."""
     import keras
-    for options in [{"use_ema": True}]:
-        with pytest.raises(ValueError, match=list(options)[0]):
-            strategy_lib.optimizer_config(keras.optimizers.SGD(0.1, **options), [])
+
+    optimizer = keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5)
+    options = json.loads(strategy_lib.optimizer_config(optimizer, []))["config"]
+    assert (options["use_ema"], options["ema_momentum"]) == (True, 0.5)
+    with pytest.raises(ValueError, match=r"averages \(use_ema\).*'use_ema': True"):
+        keras_optimizer.check_worker_optimizer(optimizer)
+    keras_optimizer.leave_to_the_ps(optimizer)
+    keras_optimizer.check_worker_optimizer(optimizer)
 
 
 # -- what Keras iterates -----------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 
 from prophet_tf import keras_optimizer, optimizer_policy
 from prophet_tf.ps.v1 import ps_pb2
-from test_servicer import (SHAPES, Context, expect_abort, grad_chunks,  # noqa: F401
-                           initial, make_servicer, pull, push, register, specs)
+from test_servicer import (LIMIT, SHAPES, Context, expect_abort, grad_chunks,  # noqa: F401
+                           initial, lr_schedule, make_servicer, pull, push, register, specs)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,6 +71,44 @@ def test_steps_wait_for_the_verdicts_then_apply_or_skip_like_single_process(make
             # Exact Adam after the skip: its iteration count did not advance.
             np.testing.assert_allclose(got[k], variable.numpy(), rtol=1e-6, atol=1e-7,
                                        err_msg=f"{SHAPES[k][0]} at step {step}")
+
+
+@pytest.mark.parametrize("name", sorted(optimizer_policy.SUPPORTED_OPTIMIZERS))
+def test_every_builtin_optimizer_skips_an_overflowed_step_as_loss_scaling_does(
+        make_servicer, name):
+    """Each optimizer the policy supports as a LossScaleOptimizer's inner one, its rate
+    from a schedule, decaying weights, the kernel in three partitions: the overflowed
+    step is skipped everywhere and its iteration (schedule, bias corrections, Nadam's
+    product) does not count, as Keras' LossScaleOptimizer skips its inner apply."""
+    import tensorflow as tf
+
+    servicer = make_servicer(max_partition_bytes=LIMIT)
+    values = initial(5)
+    reference_vars = [keras.Variable(values[k], name=n.split("/")[-1])
+                      for k, (n, _) in SHAPES.items()]
+    make = lambda: getattr(keras.optimizers, name)(lr_schedule(), weight_decay=0.01)  # noqa: E731
+    reference = make()
+    reference.build(reference_vars)
+    cfg = scaled_config(make(), reference_vars)
+    register(servicer, 0, cfg, values)
+    register(servicer, 1, cfg)
+    reference_apply = tf.function(lambda grads: reference.apply(grads, reference_vars),
+                                  autograph=False)  # traced, as in fit's train step
+    rng = np.random.default_rng(9)
+    for step in range(4):
+        grads = [random_grads(rng) for _ in range(2)]
+        finite = [True, step != 1]
+        if not finite[1]:
+            grads[1][0][3, 0] = np.nan
+        for worker in (0, 1):
+            push(servicer, worker, grad_chunks(grads[worker], step))
+        verdicts(servicer, step, finite)
+        if all(finite):
+            reference_apply([grads[0][k] + grads[1][k] for k in SHAPES])
+        got, _ = pull(servicer, step + 1)
+        for k, variable in enumerate(reference_vars):
+            np.testing.assert_allclose(got[k], variable.numpy(), rtol=2e-6, atol=1e-7,
+                                       err_msg=f"{name}: {SHAPES[k][0]} at step {step}")
 
 
 def test_a_verdict_before_the_pushes_decides_them_when_they_complete(make_servicer):

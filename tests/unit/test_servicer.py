@@ -771,21 +771,11 @@ def _check_updates_equal_single_process_keras(make_servicer, make_optimizer, lim
         key = next(k for k, (name, _) in SHAPES.items() if name == cut)
         assert sum(p.key == key for p in partitions) > 1
     servicer = make_servicer(max_partition_bytes=limit)
-    values = initial(3)
-    reference_vars = [keras.Variable(values[k], name=name.split("/")[-1])
-                      for k, (name, _) in SHAPES.items()]
-    reference = make_optimizer()
-    reference.build(reference_vars)
-    cfg = config(make_optimizer(), reference_vars)
+    reference_vars, reference, reference_apply, cfg = start_against_keras(
+        servicer, make_optimizer, initial(3))
     if reference.weight_decay:  # the PS exempts what Keras exempts (AdamW's bias, below)
         exempt = [k for k, v in enumerate(reference_vars) if not reference._use_weight_decay(v)]
         assert json.loads(cfg).get("prophet_tf_no_weight_decay", []) == exempt
-    register(servicer, 0, cfg, values)
-    register(servicer, 1, cfg)
-    # Traced, as in `fit`'s train step: eager ops round differently (Ftrl by
-    # up to 4e-6 relative on the whole variable, with nothing partitioned).
-    reference_apply = tf.function(lambda grads: reference.apply(grads, reference_vars),
-                                  autograph=False)
     rng = np.random.default_rng(7)
     for step in range(4):
         grads = [{k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in SHAPES.items()}
@@ -798,6 +788,23 @@ def _check_updates_equal_single_process_keras(make_servicer, make_optimizer, lim
         for k, variable in enumerate(reference_vars):
             np.testing.assert_allclose(got[k], variable.numpy(), rtol=1e-6, atol=1e-7,
                                        err_msg=f"{SHAPES[k][0]} at step {step}")
+
+
+def start_against_keras(servicer, make_optimizer, values, make_config=config):
+    """Registers two workers with ``make_optimizer()`` and initial ``values``; returns
+    Keras' reference: ``(variables, optimizer built on them, its apply, the config)``.
+    The apply is traced, as in ``fit``'s train step: eager ops round differently
+    (Ftrl by up to 4e-6 relative on the whole variable, with nothing partitioned)."""
+    reference_vars = [keras.Variable(values[k], name=name.split("/")[-1])
+                      for k, (name, _) in SHAPES.items()]
+    reference = make_optimizer()
+    reference.build(reference_vars)
+    cfg = make_config(make_optimizer(), reference_vars)
+    register(servicer, 0, cfg, values)
+    register(servicer, 1, cfg)
+    reference_apply = tf.function(lambda grads: reference.apply(grads, reference_vars),
+                                  autograph=False)
+    return reference_vars, reference, reference_apply, cfg
 
 
 def test_learning_rates_sent_with_pushes_are_applied_per_step(make_servicer):

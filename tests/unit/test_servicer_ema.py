@@ -8,13 +8,13 @@ import grpc
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from prophet_tf import optimizer_policy
 from prophet_tf.ps import protocol, sharding
 from prophet_tf.ps.v1 import ps_pb2
 from test_servicer import (LIMIT, SHAPES, Context, config, expect_abort,  # noqa: F401
-                           grad_chunks, initial, make_servicer, pull, push, register, specs)
+                           grad_chunks, initial, make_servicer, pull, push, register, specs,
+                           start_against_keras)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,17 +69,8 @@ def test_averages_and_their_swap_follow_single_process_keras(make_servicer, make
     partitions = sharding.plan(specs(), 1, LIMIT, spread=not whole)
     assert sum(p.key == 0 for p in partitions) == 3
     servicer = make_servicer(max_partition_bytes=LIMIT)
-    values = initial(3)
-    reference_vars = [keras.Variable(values[k], name=name.split("/")[-1])
-                      for k, (name, _) in SHAPES.items()]
-    reference = make_optimizer()
-    reference.build(reference_vars)
-    cfg = config(make_optimizer(), reference_vars)
-    register(servicer, 0, cfg, values)
-    register(servicer, 1, cfg)
-    # Traced, as in fit's train step (eager ops round differently).
-    reference_apply = tf.function(lambda grads: reference.apply(grads, reference_vars),
-                                  autograph=False)
+    reference_vars, reference, reference_apply, _ = start_against_keras(
+        servicer, make_optimizer, initial(3))
     rng = np.random.default_rng(7)
 
     def check(version, what):

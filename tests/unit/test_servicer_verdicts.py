@@ -10,7 +10,8 @@ import pytest
 from prophet_tf import keras_optimizer, optimizer_policy
 from prophet_tf.ps.v1 import ps_pb2
 from test_servicer import (LIMIT, SHAPES, Context, expect_abort, grad_chunks,  # noqa: F401
-                           initial, lr_schedule, make_servicer, pull, push, register, specs)
+                           initial, lr_schedule, make_servicer, pull, push, register, specs,
+                           start_against_keras)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,20 +81,10 @@ def test_every_builtin_optimizer_skips_an_overflowed_step_as_loss_scaling_does(
     from a schedule, decaying weights, the kernel in three partitions: the overflowed
     step is skipped everywhere and its iteration (schedule, bias corrections, Nadam's
     product) does not count, as Keras' LossScaleOptimizer skips its inner apply."""
-    import tensorflow as tf
-
     servicer = make_servicer(max_partition_bytes=LIMIT)
-    values = initial(5)
-    reference_vars = [keras.Variable(values[k], name=n.split("/")[-1])
-                      for k, (n, _) in SHAPES.items()]
-    make = lambda: getattr(keras.optimizers, name)(lr_schedule(), weight_decay=0.01)  # noqa: E731
-    reference = make()
-    reference.build(reference_vars)
-    cfg = scaled_config(make(), reference_vars)
-    register(servicer, 0, cfg, values)
-    register(servicer, 1, cfg)
-    reference_apply = tf.function(lambda grads: reference.apply(grads, reference_vars),
-                                  autograph=False)  # traced, as in fit's train step
+    reference_vars, _, reference_apply, _ = start_against_keras(
+        servicer, lambda: getattr(keras.optimizers, name)(lr_schedule(), weight_decay=0.01),
+        initial(5), make_config=scaled_config)
     rng = np.random.default_rng(9)
     for step in range(4):
         grads = [random_grads(rng) for _ in range(2)]

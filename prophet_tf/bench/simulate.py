@@ -265,18 +265,22 @@ class _Worker:
             self._next_pull(ps)
             return
         in_progress[self.index] = (version, left)  # what this PS still owes (answers first)
-        times = [self.servers.available.get((p.key, p.partition, version)) for p in left]
-        ready = [i for i, t in enumerate(times) if t is not None and t <= self.sim.now]
-        if not ready:
+        available, now = self.servers.available, self.sim.now
+        for i, p in enumerate(left):  # the first one applied (most often the first)
+            t = available.get((p.key, p.partition, version))
+            if t is not None and t <= now:
+                break
+        else:
             def resume(ps=ps, version=version, left=left):
                 self._pull(ps, version, left)
-            known = [t for t in times if t is not None]
+            known = [t for t in (available.get((p.key, p.partition, version)) for p in left)
+                     if t is not None]
             if known:
                 self.sim.at(min(known), resume)
             else:
                 self.servers.wait(ps, resume)
             return
-        p = left.pop(ready[0])
+        del left[i]
 
         def delivered(p=p):
             self.sim.at(self.sim.now + self.latency, lambda: self._deliver(p, version))

@@ -2,19 +2,30 @@
 
 :class:`prophet_tf.bench.simulate_network.FluidSim` keeps its flows in classes
 (one path and weight: one rate for all of a class's flows) and calls :func:`fill`
-whenever the rates are due.
+whenever the rates are due; with a rate lag it calls :func:`levels`, the same
+filling over links rather than classes, in numpy.
 """
 from __future__ import annotations
 
 import heapq
+import math
 
-__all__ = ["fill"]
+import numpy as np
+
+__all__ = ["fill", "levels"]
+
+#: Links whose shares are this close to the least are filled in the same round:
+#: ties in exact arithmetic, apart by float rounding.
+_TIES = 1e-9
+#: The level of a link that limits no flow: above any rate, and times a free
+#: slot's weight 0 still 0.
+NO_LEVEL = 1e300
 
 
 def fill(link_capacity: list, link_count: list, on_link: list, link_flows: list,
-         class_rate: list, generation: int, *, weighted: bool, one_by_one: bool) -> list:
-    """Sets every class's rate in ``class_rate`` (by its ``index``); returns each link's
-    capacity that no flow takes.
+         class_rate: list, generation: int, *, weighted: bool) -> None:
+    """Sets every class's rate in ``class_rate`` (by its ``index``), with the rounding of
+    a flow-by-flow computation (a class's rate is taken from a link once per flow).
 
     Args:
       link_capacity, link_count: per link id, its capacity and its flows in flight.
@@ -25,8 +36,6 @@ def fill(link_capacity: list, link_count: list, on_link: list, link_flows: list,
         that ended (``slot < 0``) are dropped from its head here.
       generation: this computation's number, new at every call.
       weighted: some weight is not 1 (then the sums go in start order, flow by flow).
-      one_by_one: take a class's rate from a link once per flow, with the rounding
-        of a flow-by-flow computation (the bit-identical path), rather than once.
 
     The most constrained link (least capacity left per unit of unfixed weight) fixes
     its flows' rates, in proportion to their weights. Fixing flows at the least share
@@ -71,8 +80,6 @@ def fill(link_capacity: list, link_count: list, on_link: list, link_flows: list,
             for l in c.links:
                 if count == 1:
                     left[l] -= rate
-                elif not one_by_one:
-                    left[l] -= rate * count
                 else:  # as many subtractions as flows: the same rounding
                     x = left[l]
                     for _ in range(count):
@@ -80,4 +87,42 @@ def fill(link_capacity: list, link_count: list, on_link: list, link_flows: list,
                     left[l] = x
                 weight[l] -= w
                 unfixed[l] -= count
-    return left
+
+
+def levels(capacity: np.ndarray, pairs: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Each link's level: the rate per unit of weight of the flows it limits
+    (``NO_LEVEL`` if it limits none). A flow's max-min fair rate is its weight
+    times the least level of its links.
+
+    Args:
+      capacity: per link id, its capacity (``math.inf``: it limits nothing).
+      pairs: per pair of link ids, the weight of the flows that cross both (symmetric);
+        a flow crosses at most two links.
+      weight: per link id, the weight of the flows that cross it.
+
+    Progressive filling by rounds: the links of the least share (capacity left
+    per unit of weight not yet limited) are full at that level, and the flows
+    they limit take it from their other link. A round is a few operations on
+    arrays of links, so a computation costs per distinct level, not per class
+    of flows (4,000 at 64 colocated workers, about 30 levels).
+    """
+    left, weight = capacity.copy(), weight.copy()
+    level = np.full(len(capacity), NO_LEVEL)
+    # A link is out of the filling (share inf) once full, or once no flow of
+    # its is left to fix (left over weight 0: inf, or nan if left is 0 too).
+    left[weight <= 0] = math.inf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        while True:
+            share = left / weight
+            least = np.fmin.reduce(share)  # nan: left 0 over weight 0
+            if least == math.inf:
+                return level
+            full = np.flatnonzero(share <= least * (1 + _TIES))
+            level[full] = fixed = share[full]
+            left[full] = math.inf
+            crossing = pairs[full]
+            left -= fixed @ crossing
+            weight -= np.add.reduce(crossing, 0)
+            # Rounding: never below 0 (-inf shares), so a link out stays out.
+            np.maximum(left, 0.0, out=left)
+            np.maximum(weight, 0.0, out=weight)

@@ -589,3 +589,35 @@ def test_the_default_rate_lag_predicts_as_following_every_change():
             assert lagged["step_time_s"] == pytest.approx(exact["step_time_s"], rel=0.01)
             assert lagged["step_time_s"] >= lagged["ideal_step_time_s"] * (1 - 1e-9)
             assert gc.isenabled()
+
+
+@pytest.mark.timeout(60)
+def test_link_levels_give_the_max_min_rates_of_the_class_by_class_filling():
+    """With a rate lag the rates are filled link by link (a round per level);
+    they are those of the class-by-class filling, to float rounding, also with
+    weights, one-link paths and links that limit nothing."""
+    import random as random_lib
+    rng = random_lib.Random(4)
+    for weighted in (False, True):
+        hosts = 6
+        capacity = {("w", h, d): rng.choice([100.0, 250.0]) for h in range(hosts)
+                    for d in ("up", "down")}
+        capacity["free"] = math.inf
+        paths = [(("w", s, "up"), ("w", r, "down")) for s in range(hosts) for r in range(hosts)
+                 if s != r and rng.random() < 0.7]
+        paths += [(("w", 0, "up"),), (("w", 1, "down"), "free")]
+        runs = []
+        for lag in (0.0, 1.0):
+            sim = simulate_network.FluidSim(capacity, share_sigma=0.5 if weighted else 0.0,
+                                            seed=1, rate_lag_s=lag)
+            for i, path in enumerate(paths * 2):
+                sim.start_flow(1e6, path, lambda: None)
+            if lag:
+                sim._refill()  # the rates of all of them, as of now
+            runs.append([(f.links, f.rate) for f in sim.flows])
+        exact, lagged = runs
+        assert [links for links, _ in exact] == [links for links, _ in lagged]
+        assert [r for _, r in lagged] == pytest.approx([r for _, r in exact], rel=1e-9)
+    with pytest.raises(ValueError, match="at most two links"):
+        simulate_network.FluidSim({"a": 1.0, "b": 1.0, "c": 1.0}, rate_lag_s=0.1).start_flow(
+            1.0, ("a", "b", "c"), lambda: None)

@@ -1,0 +1,141 @@
+"""The simulator's links with a rate lag: the flows' shares follow their starts
+and ends up to ``rate_lag_s`` late (why, and what it costs in accuracy: the
+docstring of :mod:`prophet_tf.bench.simulate_network`).
+
+:class:`RateLag` is the part of :class:`prophet_tf.bench.simulate_network.FluidSim`
+that runs when ``rate_lag_s`` > 0. It keeps no classes of flows: a computation
+of the rates takes, per pair of links, the weight of the flows crossing both
+(a ``bincount`` over the flow slots), fills the links by rounds
+(:func:`prophet_tf.bench.simulate_max_min.levels`) and gives each flow its
+weight times the least level of its links, all in array operations.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from prophet_tf.bench import simulate_max_min as max_min
+
+__all__ = ["RateLag"]
+
+
+class RateLag:
+    """The rate-lag methods of ``FluidSim`` (which holds the state they use)."""
+
+    def _lagged_run(self, until) -> None:
+        events = self._events
+        while not until():
+            refill_at = self._refill_at
+            if refill_at is not None and (not events or events[0][0] > refill_at):
+                # After the last event of that instant: the changes made at
+                # it are all in.
+                self.now = max(self.now, refill_at)
+                self._refill()
+                continue
+            if not events:
+                return
+            t, _, fn = heapq.heappop(events)
+            self.now = t
+            fn()
+
+    def _lagged_start(self, flow, nbytes: float) -> None:
+        """Until the rates are recomputed, the flow takes what its links have
+        spare (capacity of flows ended since, or none): no link ever carries
+        more than its capacity."""
+        slot, ids = flow.slot, flow.ids
+        self._weight[slot] = flow.weight
+        self._first[slot] = ids[0]
+        self._second[slot] = ids[1] if len(ids) > 1 else 0  # 0: no link
+        spare = self._spare
+        rate = max(min(spare[link] for link in ids), 0.0)
+        self._rate[slot] = rate
+        if rate > 0:
+            for link in ids:
+                spare[link] -= rate
+            # Bytes left as of _last, as the other flows' are.
+            self._remaining[slot] += rate * (self.now - self._last)
+            heapq.heappush(self._late, (self.now + nbytes / rate, flow.seq, slot))
+            self._next_end()
+        self._lagged_change()
+
+    def _lagged_change(self) -> None:
+        """Flows started or ended: the rates are due, at most rate_lag_s after
+        the last computation."""
+        if self._refill_at is None:
+            self._refill_at = max(self.now, self._last + self.rate_lag_s)
+
+    def _refill(self) -> None:
+        """The max-min rates of the flows in flight, and the order they end in."""
+        now = self.now
+        self._refill_at = None
+        self._epoch += 1  # the pending flow-end event was of the old rates
+        self._end_at = math.inf
+        remaining = self._remaining
+        remaining -= self._rate * (now - self._last)
+        self._last = now
+        self._late.clear()  # their rates are recomputed too
+        self._end_next = 0
+        self._fill_levels()
+        with np.errstate(divide="ignore"):  # a free slot: inf bytes at rate 0
+            ends = now + np.maximum(remaining, 0.0) / self._rate
+        # Ordered: the ends before the next computation if a flow starts or
+        # ends before it, else the first one (its end brings one at once).
+        soon = np.flatnonzero(ends <= now + self.rate_lag_s)
+        if not len(soon) and ends.min() < math.inf:
+            soon = np.array([ends.argmin()])
+        self._end_slots = soon[np.argsort(ends[soon], kind="stable")]
+        self._end_times = ends[self._end_slots]
+        self._next_end()
+
+    def _fill_levels(self) -> None:
+        """Sets every flow's rate and every link's spare capacity."""
+        capacity = self._capacity_array
+        if len(capacity) != len(self._link_capacity):  # links met since
+            capacity = self._capacity_array = np.array(self._link_capacity)
+        n = len(capacity)
+        first, second, weight = self._first, self._second, self._weight
+        pairs = np.bincount(first * n + second, weights=weight,
+                            minlength=n * n).reshape(n, n)
+        level = max_min.levels(capacity, pairs + pairs.T, pairs.sum(0) + pairs.sum(1))
+        self._rate = rate = weight * np.minimum(level[first], level[second])
+        load = np.bincount(first, rate, n) + np.bincount(second, rate, n)
+        self._spare = (capacity - load).tolist()
+
+    def _next_end(self) -> None:
+        """Queues the flow-end event of the earliest end, unless it is queued."""
+        times, late = self._end_times, self._late
+        t = min(float(times[self._end_next]) if self._end_next < len(times) else math.inf,
+                late[0][0] if late else math.inf)
+        if t < self._end_at:
+            self._end_at = t
+            self._epoch += 1
+            epoch = self._epoch
+            self.at(t, lambda: self._lagged_finish(epoch))
+
+    def _lagged_finish(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            return
+        self._end_at = math.inf
+        now = self.now
+        times, slots, late = self._end_times, self._end_slots, self._late
+        done = []
+        i = self._end_next
+        while i < len(times) and times[i] <= now:
+            done.append(self._flow_at[int(slots[i])])
+            i += 1
+        self._end_next = i
+        while late and late[0][0] <= now:
+            done.append(self._flow_at[heapq.heappop(late)[2]])
+        done.sort(key=lambda f: f.seq)
+        spare, rate = self._spare, self._rate
+        for f in done:
+            freed = float(rate[f.slot])
+            for link in f.ids:
+                spare[link] += freed
+            self._remove(f)
+        self._lagged_change()
+        self._next_end()
+        for f in done:
+            f.done()

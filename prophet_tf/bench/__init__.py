@@ -10,8 +10,10 @@
 - :mod:`prophet_tf.bench.simulate`: the simulation, driving the engine's dispatch and schedulers;
   :mod:`prophet_tf.bench.simulate_network`: its event queue and links shared by flows;
   :mod:`prophet_tf.bench.simulate_max_min`: the flows' max-min fair rates;
+  :mod:`prophet_tf.bench.simulate_rate_lag`: those rates recomputed at most once per lag;
   :mod:`prophet_tf.bench.simulate_links`: the links of a cluster layout;
   :mod:`prophet_tf.bench.simulate_flow_share`: ``share_sigma`` fitted to a measured link;
+  :mod:`prophet_tf.bench.simulate_sweep`: a scheduler spec's simulation, and the sweep;
   :mod:`prophet_tf.bench.simulate_cli`: ``prophet-tf simulate``.
 - :mod:`prophet_tf.bench.report`: the docs' result tables from committed JSON (``prophet-tf
   report``; :mod:`prophet_tf.bench.cut_table`: the partition-cut experiment's).

@@ -1,9 +1,10 @@
 """`prophet-tf simulate`: the command line around prophet_tf.bench.simulate.
 
-One configuration, a sweep over worker counts and bandwidths (with its plot),
-a prediction of a `prophet-tf bench` run (``--validate``), or a new per-layer
-profile (``--profile``). The simulation itself is prophet_tf.bench.simulate,
-and tf-mwms's ring all-reduce prophet_tf.bench.simulate_ring.
+One configuration, a sweep over worker counts and bandwidths with its plot
+(prophet_tf.bench.simulate_sweep), a prediction of a `prophet-tf bench` run
+(``--validate``), or a new per-layer profile (``--profile``). The simulation
+itself is prophet_tf.bench.simulate, and tf-mwms's ring all-reduce
+prophet_tf.bench.simulate_ring.
 """
 from __future__ import annotations
 
@@ -19,88 +20,16 @@ from typing import Sequence
 
 from prophet_tf import extras
 from prophet_tf.bench import message_costs, saved_profiles, simulate as simulate_lib
-from prophet_tf.bench import simulate_ring
+from prophet_tf.bench import simulate_ring, simulate_sweep
+from prophet_tf.bench.simulate_sweep import parse_spec, simulate_spec
 from prophet_tf.bench.simulate_flow_share import share_sigma_for, uplink_connections
 from prophet_tf.bench import suite as suite_lib
 from prophet_tf.engine import schedulers as schedulers_lib
 
-__all__ = ["parse_spec", "simulate_spec", "sweep", "plot_sweep", "validate", "main"]
+__all__ = ["validate", "main"]
 
 #: What `prophet-tf simulate` runs without --schedulers (--validate: every one the run has).
 DEFAULT_SCHEDULERS = "fifo,p3,bytescheduler,prophet"
-
-
-def parse_spec(spec: str) -> tuple[str, dict]:
-    """A ``--schedulers`` entry, a PS scheduler's or tf-mwms's: ``(name, options)``.
-
-    Raises:
-      ValueError: an unknown scheduler or option.
-    """
-    ring = simulate_ring.parse_spec(spec)
-    return (simulate_ring.NAME, ring) if ring is not None else schedulers_lib.parse_scheduler(spec)
-
-
-def simulate_spec(profile: dict, name: str, options: dict, workers: int, num_ps: int,
-                  bandwidth_mbit: float | None, **kwargs) -> dict:
-    """``simulate.simulate`` of a PS scheduler, or ``simulate_ring.simulate_ring``
-    of tf-mwms (which sends no PS messages and has no fluid network: the
-    message costs and the rate lag are left out)."""
-    if name == simulate_ring.NAME:
-        kwargs = {k: v for k, v in kwargs.items()
-                  if not k.startswith("rpc_") and k != "rate_lag_s"}
-        return simulate_ring.simulate_ring(profile, workers, num_ps, bandwidth_mbit,
-                                           **options, **kwargs)
-    return simulate_lib.simulate(profile, name, workers, num_ps, bandwidth_mbit,
-                                 scheduler_options=options, **kwargs)
-
-
-def sweep(profile: dict, schedulers: Sequence[str], workers: Sequence[int],
-          bandwidths_mbit: Sequence[float], num_ps: int | None = None, **kwargs) -> list[dict]:
-    """:func:`simulate` over a grid; ``num_ps`` None = one PS per 4 workers (at least 1).
-    ``schedulers``: specs as ``--schedulers`` takes them (``"p3:slice_bytes=N"``),
-    which name the rows."""
-    parsed = {spec: parse_spec(spec) for spec in schedulers}
-    rows = []
-    for w in workers:
-        ps = num_ps or max(1, w // 4)
-        for bw in bandwidths_mbit:
-            for spec, (name, options) in parsed.items():
-                r = simulate_spec(profile, name, options, w, ps, bw, **kwargs)
-                rows.append({"workers": w, "ps": ps, "bandwidth_mbit": bw, "scheduler": spec,
-                             "step_time_s": r["step_time_s"],
-                             "ideal_step_time_s": r["ideal_step_time_s"]})
-    return rows
-
-
-def plot_sweep(rows: list[dict], path: str, title: str) -> str:
-    """PNG of speedup over FIFO against bandwidth, one panel per worker count."""
-    matplotlib = extras.require("matplotlib", "--plot")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workers = sorted({r["workers"] for r in rows})
-    names = [n for n in dict.fromkeys(r["scheduler"] for r in rows) if n != "fifo"]
-    fig, axes = plt.subplots(1, len(workers), figsize=(3.2 * len(workers), 3.2), sharey=True,
-                             squeeze=False)
-    fifo = {(r["workers"], r["bandwidth_mbit"]): r["step_time_s"] for r in rows
-            if r["scheduler"] == "fifo"}
-    for ax, w in zip(axes[0], workers):
-        for name in names:
-            pts = sorted((r["bandwidth_mbit"] / 1000, fifo[w, r["bandwidth_mbit"]] / r["step_time_s"])
-                         for r in rows if r["workers"] == w and r["scheduler"] == name)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ps = next(r["ps"] for r in rows if r["workers"] == w)
-        ax.set_title(f"{w} workers, {ps} PS")
-        ax.set_xscale("log")
-        ax.set_xlabel("bandwidth per link (Gbit/s)")
-    axes[0][0].set_ylabel("speedup over FIFO")
-    axes[0][-1].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def _parse(argv):
@@ -115,10 +44,10 @@ def _parse(argv):
                         help="PS tasks (default: one per worker host when colocated, else 1, "
                              "as in `prophet-tf bench`)")
     # The same default as `prophet-tf bench`: the layout the README recommends.
-    parser.add_argument("--layout", default="colocated", choices=simulate_lib.LAYOUTS,
+    parser.add_argument("--layout", default=None, choices=simulate_lib.LAYOUTS,
                         help="colocated: PS task i on worker host i %% W (--ps a multiple of "
                              "--workers); dedicated: PS hosts of their own (default "
-                             "%(default)s, as in `prophet-tf bench`)")
+                             "colocated, as in `prophet-tf bench`; dedicated with --sweep)")
     parser.add_argument("--bandwidth-mbit", type=float, default=10000.0,
                         help="each link's bandwidth per direction (default 10000)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency")
@@ -141,7 +70,10 @@ def _parse(argv):
                              "exact but slow from 16 workers)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--sweep", action="store_true",
-                        help="2-64 workers x 1-25 Gbit/s (one PS per 4 workers)")
+                        help="workers x 1-25 Gbit/s: dedicated, one PS host per 4 workers; "
+                             "colocated, a PS task on every worker host")
+    parser.add_argument("--sweep-workers", default="2,4,8,16,32,64",
+                        help="the worker counts of --sweep (default %(default)s)")
     parser.add_argument("--plot", default=None, help="PNG of speedup over FIFO (with --sweep)")
     parser.add_argument("--validate", default=None, metavar="BENCH_JSON[,BENCH_JSON...]",
                         help="predict `prophet-tf bench` runs (or every cell of a "
@@ -166,6 +98,16 @@ def _parse(argv):
     parser.add_argument("--profile-iterations", type=int, default=7,
                         help="measured iterations of --profile (after 2 warm-up)")
     args = parser.parse_args(argv)
+    if args.layout is None:  # the committed dedicated sweeps' commands name no layout
+        args.layout = "dedicated" if args.sweep else "colocated"
+    try:
+        workers = [int(w) for w in args.sweep_workers.split(",")]
+    except ValueError:
+        workers = []
+    if not workers or any(w < 1 for w in workers):
+        parser.error("--sweep-workers takes positive worker counts, comma-separated. "
+                     f"Received: {args.sweep_workers!r}")
+    args.sweep_workers = workers
     if args.ps is None:
         args.ps = args.workers if args.layout == "colocated" else 1
     return args
@@ -394,9 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             out["rate_lag_s"] = lag  # what the predictions were made with
             _print_table(rows, columns)
         elif args.sweep:
-            rows = sweep(profile, names, [2, 4, 8, 16, 32, 64],
+            rows = simulate_sweep.sweep(profile, names, args.sweep_workers,
                          [1000, 2500, 5000, 10000, 25000], iterations=args.iterations,
-                         rpc_overhead_s=overhead, compute_s=args.compute_s, rate_lag_s=lag)
+                         rpc_overhead_s=overhead, compute_s=args.compute_s, rate_lag_s=lag,
+                         layout=args.layout)
             by = {(r["workers"], r["bandwidth_mbit"], r["scheduler"]): r for r in rows}
             for r in rows:
                 f = by[r["workers"], r["bandwidth_mbit"], "fifo"]["step_time_s"]
@@ -405,12 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                                 ("Mbit/s", "bandwidth_mbit", ".0f"), ("scheduler", "scheduler", ""),
                                 ("step s", "step_time_s", ".4f"), ("ideal s", "ideal_step_time_s", ".4f"),
                                 ("vs fifo", "speedup_vs_fifo", ".2f")])
-            out = {"model": args.model, "layout": "dedicated", "compute_s": args.compute_s,
+            out = {"model": args.model, "layout": args.layout, "compute_s": args.compute_s,
                    "rate_lag_s": lag, "command": "prophet-tf simulate " + " ".join(argv if argv is not None
                                                                else sys.argv[1:]),
                    "sweep": rows}
             if args.plot:
-                plot_sweep(rows, args.plot, f"{args.model}: simulated speedup over FIFO")
+                simulate_sweep.plot_sweep(rows, args.plot, f"{args.model}: simulated speedup over FIFO")
                 print(f"plot written to {args.plot}")
         else:
             rows = [{**simulate_spec(

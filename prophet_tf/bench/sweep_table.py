@@ -18,7 +18,9 @@ def sweep_table(result: dict) -> str:
         lines.append(f"| {workers} / {ps} | {mbit / 1000:g} | " + " | ".join(
             f"{runs[s]['step_time_s'] / ideal:.2f}" for s in schedulers) + f" | {ideal:.3f} |")
     lines.append("")
+    placement = ("a PS task on every worker host" if result["layout"] == "colocated"
+                 else "one PS per 4 workers")
     lines.append(f"Step time over the ideal bound; {result['model']}, compute "
-                 f"{result['compute_s']:g} s per step, {result['layout']} layout (one PS per 4 "
-                 f"workers). From `{result['command']}`.")
+                 f"{result['compute_s']:g} s per step, {result['layout']} layout ({placement}"
+                 f"). From `{result['command']}`.")
     return "\n".join(lines) + "\n"

@@ -6,7 +6,9 @@ import pathlib
 import pytest
 
 from simulate_helpers import toy_profile
-from prophet_tf.bench import ideal, saved_profiles, simulate_cli, simulate_network, simulate_ring
+from prophet_tf.bench import (ideal, saved_profiles, simulate_cli, simulate_network, simulate_ring,
+                              simulate_sweep)
+from prophet_tf.bench import simulate as simulate_lib
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,8 +140,8 @@ def test_simulate_runs_tf_mwms_beside_the_ps_schedulers(layout, tmp_path, capsys
 
 
 def test_a_sweep_has_a_tf_mwms_row_per_cell():
-    rows = simulate_cli.sweep(TOY, ["fifo", "tf-mwms:bytes_per_pack=100000"], [2, 4], [100],
-                              num_ps=1)
+    rows = simulate_sweep.sweep(TOY, ["fifo", "tf-mwms:bytes_per_pack=100000"], [2, 4], [100],
+                                num_ps=1)
     ring = [r for r in rows if r["scheduler"].startswith("tf-mwms")]
     assert [r["workers"] for r in ring] == [2, 4]
     for r in ring:
@@ -182,3 +184,24 @@ def test_the_ring_never_beats_the_colocated_ideal_bound():
             r = simulate_ring.simulate_ring(TOY, workers, workers, mbit, layout="colocated",
                                             link_efficiency=1.0, framing=ideal.TCP_FRAMING)
             assert r["step_time_s"] >= r["ideal_step_time_s"] * (1 - 1e-9)
+
+
+def test_a_colocated_sweep_puts_a_ps_task_on_every_worker_host(tmp_path, capsys):
+    """--sweep --layout colocated: W PS tasks at W workers, the layout's ideal bound (a PS
+    task's link carries its own worker's share too), recorded in the JSON."""
+    out = tmp_path / "sweep.json"
+    assert simulate_cli.main(["--model", "cnn", "--sweep", "--layout", "colocated",
+                              "--sweep-workers", "2,3", "--schedulers", "fifo,tf-mwms",
+                              "--iterations", "10", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["layout"] == "colocated"
+    assert sorted({(r["workers"], r["ps"]) for r in result["sweep"]}) == [(2, 2), (3, 3)]
+    cnn = saved_profiles.load_profile("cnn")
+    for r in result["sweep"]:
+        if r["scheduler"] == "fifo":
+            alone = simulate_lib.simulate(cnn, "fifo", r["workers"], r["workers"],
+                                          r["bandwidth_mbit"], layout="colocated", iterations=10)
+            assert r["ideal_step_time_s"] == alone["ideal_step_time_s"]
+    with pytest.raises(SystemExit):
+        simulate_cli.main(["--sweep", "--sweep-workers", "2,0"])
+    assert "Received: '2,0'" in capsys.readouterr().err

@@ -257,7 +257,7 @@ class Engine:
             self._native.abort(message)
         self._stop.set()
 
-    # -- loss scaling ------------------------------------------------------------------
+    # -- rounds among the workers: loss scaling's verdicts, use_ema's swap --------------
 
     def step_verdict(self, step: int, finite: bool) -> bool:
         """Sends this worker's verdict of ``step`` to every PS task (a loss-scaled
@@ -268,28 +268,35 @@ class Engine:
         skips the step by them (``prophet_tf.ps.verdicts``). Like a parameter
         wait, a long wait is renewed with a warning; a failed job raises.
         """
-        def ask(i: int):
-            return self._clients[i].verdict_future(step, finite, timeout=self.rpc_timeout_s)
+        answers = self._on_every_ps(
+            lambda client: client.verdict_future(step, finite, timeout=self.rpc_timeout_s),
+            f"The verdict of step {step} (loss scaling)",
+            f"the other workers' verdicts of step {step}")
+        # Every PS task answers the same verdicts; any one decides.
+        return all(client_lib.verdicts(answers[0]))
 
-        pending = {i: ask(i) for i in range(len(self._clients))}  # all in flight at once
-        results = {}
+    def _on_every_ps(self, ask, what: str, waiting_for: str) -> list:
+        """``ask(client)``'s future on every PS task at once; their answers by PS index.
+        A round among the workers (a verdict, a swap) waits for the slowest: a call that
+        reaches its deadline is asked again with a warning (the PS keeps a repeated
+        call once); any other failure, or one after the engine stopped, raises
+        ``RuntimeError`` naming ``what`` and the PS."""
+        pending = {i: ask(c) for i, c in enumerate(self._clients)}
+        answers = {}
         while pending:
             for i, future in list(pending.items()):
                 try:
-                    results[i] = client_lib.verdicts(future.result())
+                    answers[i] = future.result()
                     del pending[i]
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self._stop.is_set():
                         raise RuntimeError(
-                            f"The verdict of step {step} (loss scaling) from the PS at "
-                            f"{self._clients[i].address} failed: {liveness.rpc_message(e)}") \
-                            from None
-                    logger.warning("worker %d: still waiting after %.0f s for the other "
-                                   "workers' verdicts of step %d", self.worker_id,
-                                   self.rpc_timeout_s, step)
-                    pending[i] = ask(i)  # the PS keeps a repeated verdict once
-        # Every PS task answers the same verdicts; any one decides.
-        return all(results[0])
+                            f"{what} from the PS at {self._clients[i].address} failed: "
+                            f"{liveness.rpc_message(e)}") from None
+                    logger.warning("worker %d: still waiting after %.0f s for %s",
+                                   self.worker_id, self.rpc_timeout_s, waiting_for)
+                    pending[i] = ask(self._clients[i])
+        return [answers[i] for i in range(len(self._clients))]
 
     # -- use_ema -------------------------------------------------------------------------
 
@@ -317,26 +324,11 @@ class Engine:
                         + (f": {self._error}" if self._error else ""))
                 time.sleep(0.001)
         swap, self._swaps = self._swaps, self._swaps + 1
-
-        def ask(i: int):
-            return self._clients[i].swap_averages_future(swap, version,
-                                                         timeout=self.rpc_timeout_s)
-
-        pending = {i: ask(i) for i in range(len(self._clients))}  # all in flight at once
-        while pending:
-            for i, future in list(pending.items()):
-                try:
-                    future.result()
-                    del pending[i]
-                except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self._stop.is_set():
-                        raise RuntimeError(
-                            f"The swap of the moving averages at version {version} on the "
-                            f"PS at {self._clients[i].address} failed: "
-                            f"{liveness.rpc_message(e)}") from None
-                    logger.warning("worker %d: still waiting after %.0f s for the other "
-                                   "workers to end fit", self.worker_id, self.rpc_timeout_s)
-                    pending[i] = ask(i)  # the same round again: the PS keeps it
+        self._on_every_ps(
+            lambda client: client.swap_averages_future(swap, version,
+                                                       timeout=self.rpc_timeout_s),
+            f"The swap of the moving averages at version {version}",
+            "the other workers to end fit")
         for ps_index in range(len(self._clients)):
             self._parameters_in.pull_version(ps_index, version)
         logger.info("worker %d: the moving averages replace the weights of step %d",

@@ -20,6 +20,8 @@ import contextlib
 
 import numpy as np
 
+from prophet_tf.ps import sharding
+
 __all__ = ["one_partition", "accumulated"]
 
 
@@ -33,8 +35,8 @@ def accumulated(optimizer, part) -> np.ndarray:
     is applied whole (``whole_apply.py``)."""
     if part.whole is None:
         return np.asarray(_accumulator(optimizer, part.variable).numpy())
-    whole = np.asarray(_accumulator(optimizer, part.whole.variable).numpy())
-    return whole.reshape(-1)[part.plan.begin:part.plan.end]
+    return sharding.elements(np.asarray(_accumulator(optimizer, part.whole.variable).numpy()),
+                             part.plan)
 
 
 @contextlib.contextmanager

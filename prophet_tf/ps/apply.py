@@ -41,16 +41,13 @@ import numpy as np
 from prophet_tf import per_iteration
 from prophet_tf.ps import (accumulation, aggregation, clipping, ema, lamb, protocol,
                            whole_apply)
+from prophet_tf.ps.registration import read  # the partition's value (under Applier.lock)
 
 __all__ = ["Applier", "read"]
 
 logger = logging.getLogger("prophet_tf.ps.servicer")  # the PS task's one logger
 
 
-def read(part) -> np.ndarray:
-    """The partition's current value (call under :attr:`Applier.lock`)."""
-    # .numpy() first: np.asarray of a 0-d bfloat16 tensor raises.
-    return np.asarray(part.variable.value.read_value().numpy())
 
 
 class Applier:

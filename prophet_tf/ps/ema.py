@@ -31,7 +31,7 @@ import contextlib
 import grpc
 import numpy as np
 
-from prophet_tf.ps import gather, protocol, registration
+from prophet_tf.ps import gather, protocol, registration, sharding
 from prophet_tf.ps.errors import RpcError, invalid, precondition
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -113,7 +113,7 @@ def average(optimizer, part) -> np.ndarray:
     """A partition's moving average, in its shape (call under the apply lock)."""
     value = np.asarray(_average_variable(optimizer, registration.optimized(part)).numpy())
     if part.whole is not None:
-        value = value.reshape(-1)[part.plan.begin:part.plan.end]
+        value = sharding.elements(value, part.plan)
     return value.reshape(part.shape)
 
 
@@ -168,7 +168,7 @@ class SwapRPCs:
                 part.variable.assign(average(model.optimizer, part))
                 encoded.append((part, protocol.encode_parameter_chunk(
                     part.plan.key, part.plan.partition, version, part.spec.dtype,
-                    np.asarray(part.variable.value.numpy()))))
+                    registration.read(part))))
             with self._lock:
                 for part, chunk in encoded:
                     part.encoded = chunk

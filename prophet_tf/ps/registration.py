@@ -32,7 +32,7 @@ from prophet_tf.ps import clipping, sharding, whole_apply
 from prophet_tf.ps.errors import RpcError, invalid, short
 from prophet_tf.ps.v1 import ps_pb2
 
-__all__ = ["Part", "Model", "optimized", "load_keras", "check_request", "define_model", "check_same_model",
+__all__ = ["Part", "Model", "read", "optimized", "load_keras", "check_request", "define_model", "check_same_model",
            "check_initial_values", "not_found", "pulled_parts", "check_chunk_bytes"]
 
 # Bounds on one declaration, checked before anything is planned or allocated.
@@ -292,6 +292,12 @@ def _make_parts(model: Model, no_decay: set, ps_index: int) -> dict:
     model.optimizer.build([optimized(part) for part in parts.values()
                            if part.whole is None or part.plan.partition == 0])
     return parts
+
+
+def read(part: Part) -> np.ndarray:
+    """The partition's current value (call under the apply lock)."""
+    # .numpy() first: np.asarray of a 0-d bfloat16 tensor raises.
+    return np.asarray(part.variable.value.read_value().numpy())
 
 
 def optimized(part: Part):

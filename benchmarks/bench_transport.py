@@ -1,29 +1,34 @@
-"""Push + pull throughput of one worker and one PS task on loopback.
+"""Push + pull throughput and CPU of one worker and its PS processes on loopback.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_transport.py [--mb 100] [--reps 7]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_transport.py [--mb 100] [--reps 7] \
+        [--ps 1,2,4] [--json benchmarks/transport.json]
 
-A PS task runs in a subprocess (W=1, SGD). Each repetition is one training
-step's traffic for a model of ``--mb`` MB of float32 (a few large variables,
-split into 4 MiB partitions): every partition's gradient is pushed (one
-partition per request, ``--inflight`` requests at a time) while one Pull stream
-asks for every partition at the next version, so pulls overlap pushes and the
-PS's optimizer applies, as in the engine. Pulled chunks are copied into
-full-size arrays, as a worker's staging buffers would be. Reported:
+PS tasks run in subprocesses (W=1, SGD), as many as ``--ps`` says (each count a
+run of its own). Each repetition is one training step's traffic for a model of
+``--mb`` MB of float32 (a few large variables, split into 4 MiB partitions over
+the PS tasks): every partition's gradient is pushed (one partition per
+request, ``--inflight`` requests at a time) while one Pull stream per PS asks
+for its partitions at the next version, so pulls overlap pushes and the PS's
+optimizer applies, as in the engine. Pulled chunks are copied into full-size
+arrays, as a worker's staging buffers would be. Reported:
 
 * ``step``: model bytes / wall time of push + apply + pull (a 100 MB model at
-  1 GB/s takes 0.1 s); ``wire``: bytes moved both ways / the same time;
-* CPU time per step of the client and of the PS process;
+  1 GB/s takes 0.1 s);
+* CPU time per step of the client and of the PS processes, as CPU-seconds per
+  GB on the wire (a step moves the model both ways);
 * ``push`` and ``pull`` alone (push to an idle PS; pull of a ready version);
-* the same traffic through a bare gRPC server (prebuilt bytes, no PS work,
-  same options): what grpcio itself allows on this machine;
+* the same traffic through as many bare gRPC servers (prebuilt bytes, no PS
+  work, same options), with their CPU too: what grpcio itself costs here;
 * numpy memcpy of the same size, the machine's memory reference.
-Median and spread (min..max) over the repetitions after one warm-up.
+Median and spread (min..max) over the repetitions after one warm-up;
+``prophet-tf report``'s ``transport`` kind renders the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import pathlib
 import resource
@@ -57,7 +62,10 @@ def start(args: list[str], tmp: str) -> tuple[subprocess.Popen, int]:
     """Starts ``python ARGS --port-file F`` and waits for the port."""
     port_file = os.path.join(tmp, f"port{len(os.listdir(tmp))}")
     env = dict(os.environ, PYTHONPATH=str(ROOT), **ENV)
-    proc = subprocess.Popen([sys.executable, *args, "--port-file", port_file], env=env)
+    # Through _die_with_parent: a bench that is killed leaves no server behind.
+    proc = subprocess.Popen([sys.executable, "-m", "prophet_tf.tools._die_with_parent",
+                             str(os.getpid()), sys.executable, *args, "--port-file", port_file],
+                            env=env)
     deadline = time.monotonic() + 120
     while not os.path.exists(port_file):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -120,26 +128,120 @@ def bare_server(port_file: str) -> int:
     return 0
 
 
-def bare_steps(port: int, sizes: list[int], reps: int, inflight: int) -> list[float]:
+def bare_steps(ports: list[int], sizes: list[list[int]], reps: int, inflight: int,
+               servers: list[int]) -> dict:
+    """The same traffic through bare servers (``sizes[i]``: server i's message
+    sizes): wall time and CPU per step of this client and of the servers."""
     import grpc
 
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=protocol.channel_options())
-    push = channel.unary_unary("/bare.Bare/Push")
-    pull = channel.unary_stream("/bare.Bare/Pull")
-    payloads = [b"\0" * size for size in sizes]
-    request = f"{len(sizes)} {max(sizes)}".encode()
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=protocol.channel_options())
+                for port in ports]
+    pushes = [c.unary_unary("/bare.Bare/Push") for c in channels]
+    pulls = [c.unary_stream("/bare.Bare/Pull") for c in channels]
+    payloads = [(push, b"\0" * size) for push, own in zip(pushes, sizes) for size in own]
+    requests = [f"{len(own)} {max(own)}".encode() for own in sizes]
     times = []
     with concurrent.futures.ThreadPoolExecutor(inflight) as pool, \
-            concurrent.futures.ThreadPoolExecutor(1) as puller:
-        for _ in range(reps + 1):
+            concurrent.futures.ThreadPoolExecutor(len(ports)) as pullers:
+        for rep in range(reps + 1):
+            if rep == 1:
+                cpu0 = cpu_seconds(), sum(cpu_seconds(pid) for pid in servers)
             t = time.perf_counter()
-            pulled = puller.submit(lambda: sum(len(m) for m in pull(request, timeout=60)))
-            for f in [pool.submit(push, p, timeout=60) for p in payloads]:
+            pulled = [pullers.submit(lambda p=p, r=r: sum(len(m) for m in p(r, timeout=60)))
+                      for p, r in zip(pulls, requests)]
+            for f in [pool.submit(push, payload, timeout=60) for push, payload in payloads]:
                 f.result()
-            pulled.result()
+            for f in pulled:
+                f.result()
             times.append(time.perf_counter() - t)
-    channel.close()
-    return times[1:]
+    cpu = (cpu_seconds() - cpu0[0]) / reps, (sum(map(cpu_seconds, servers)) - cpu0[1]) / reps
+    for channel in channels:
+        channel.close()
+    return {"step_s": times[1:], "client_cpu_s": cpu[0], "server_cpu_s": cpu[1]}
+
+
+def ps_steps(shapes: list, reps: int, inflight: int, num_ps: int, tmp: str) -> dict:
+    """Push + apply + pull through ``num_ps`` PS processes: wall time and CPU per
+    step of this client and of the PS processes, push alone, pull alone."""
+    specs = [ps_pb2.VariableSpec(key=i, name=f"dense_{i}/kernel", shape=s, dtype="float32",
+                                 priority=i) for i, s in enumerate(shapes)]
+    plan = sharding.plan(specs, num_ps, spread=True)
+    owned = [sharding.owned_by(plan, i) for i in range(num_ps)]
+    by_id = {(p.key, p.partition): p for p in plan}
+    rng = np.random.default_rng(0)
+    params = {i: rng.standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)}
+    grads = {i: np.ones(s, np.float32) for i, s in enumerate(shapes)}
+    out = {i: np.empty(s, np.float32) for i, s in enumerate(shapes)}
+    procs = []
+    try:
+        for i in range(num_ps):
+            procs.append(start(["-m", "prophet_tf.ps.server", "--num-workers", "1",
+                                "--ps-index", str(i), "--num-ps", str(num_ps), "--port", "0"],
+                               tmp))
+        clients = [ps_client.PSClient(f"127.0.0.1:{port}", worker_id=0, num_workers=1)
+                   for _, port in procs]
+        for client in clients:
+            client.wait_ready(60)
+        ps_client.register_all(clients, specs, SGD_CONFIG, params, timeout=120)
+        pids = [proc.pid for proc, _ in procs]
+        pool = concurrent.futures.ThreadPoolExecutor(inflight)
+        pullers = concurrent.futures.ThreadPoolExecutor(num_ps)  # a stream per PS
+        stepper = concurrent.futures.ThreadPoolExecutor(1)  # pulls beside the pushes
+
+        def push_all(step):
+            calls = [pool.submit(ps_helpers.push, client, [c], 60)
+                     for client, own in zip(clients, owned)
+                     for c in ps_helpers.gradient_chunks(grads, own, step)]
+            for f in calls:
+                f.result()
+
+        def pull_one(client, own, version):
+            n = 0
+            for chunk in client.pull(own, version, timeout=60):
+                ps_helpers.write_chunk(chunk, out, by_id)
+                n += 1
+            assert n == len(own)
+
+        def pull_all(version):
+            for f in [pullers.submit(pull_one, c, own, version) for c, own in zip(clients, owned)]:
+                f.result()
+
+        step_t, push_t, pull_t = [], [], []
+        for step in range(reps + 1):  # step 0 also traces the applies
+            if step == 1:
+                cpu0 = cpu_seconds(), sum(map(cpu_seconds, pids))
+            t = time.perf_counter()
+            pulled = stepper.submit(pull_all, step + 1)
+            push_all(step)
+            pulled.result()
+            step_t.append(time.perf_counter() - t)
+        cpu = (cpu_seconds() - cpu0[0]) / reps, (sum(map(cpu_seconds, pids)) - cpu0[1]) / reps
+        for step in range(reps + 1, 2 * reps + 2):
+            t = time.perf_counter()
+            push_all(step)
+            push_t.append(time.perf_counter() - t)
+            pull_all(step + 1)  # waits for the applies: not timed
+            t = time.perf_counter()
+            pull_all(step + 1)
+            pull_t.append(time.perf_counter() - t)
+        steps = 2 * reps + 2
+        np.testing.assert_allclose(out[0][:2, :4], params[0][:2, :4] - LR * steps,
+                                   atol=1e-4, err_msg="the PS's values are wrong")
+        for client in clients:
+            client.close()
+        for executor in (pool, pullers, stepper):
+            executor.shutdown()
+    finally:
+        for proc, _ in procs:
+            stop(proc)
+    return {"partitions": len(plan), "sizes": [[p.nbytes for p in own] for own in owned],
+            "step_s": step_t[1:], "push_s": push_t[1:], "pull_s": pull_t[1:],
+            "client_cpu_s": cpu[0], "ps_cpu_s": cpu[1]}
+
+
+def per_gb(cpu_s: float, model_bytes: int) -> float:
+    """CPU-seconds per GB on the wire: a step moves the model both ways."""
+    return cpu_s / (2 * model_bytes / 1e9)
 
 
 def main(argv=None) -> int:
@@ -148,25 +250,23 @@ def main(argv=None) -> int:
     parser.add_argument("--variables", type=int, default=4)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--inflight", type=int, default=4, help="concurrent push requests")
+    parser.add_argument("--ps", default="1", help="comma-separated PS process counts (default 1)")
+    parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.bare_server:
         return bare_server(args.port_file)
+    ps_counts = [int(n) for n in args.ps.split(",")]
+    if not ps_counts or min(ps_counts) < 1 or args.reps < 1 or args.mb <= 0:
+        parser.error(f"--ps takes PS counts >= 1, --reps >= 1, --mb > 0. Received: "
+                     f"--ps={args.ps} --reps={args.reps} --mb={args.mb}")
     codec.tune_allocator()  # as a worker would; the PS main does it too
 
     cols = 1000
     rows = int(args.mb * 1e6 / 4 / cols / args.variables)
     shapes = [(rows, cols)] * args.variables
     model_bytes = sum(4 * r * c for r, c in shapes)
-    specs = [ps_pb2.VariableSpec(key=i, name=f"dense_{i}/kernel", shape=s, dtype="float32",
-                                 priority=i) for i, s in enumerate(shapes)]
-    partitions = sharding.owned_by(sharding.plan(specs, 1, spread=True), 0)
-    by_id = {(p.key, p.partition): p for p in partitions}
-    rng = np.random.default_rng(0)
-    params = {i: rng.standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)}
-    grads = {i: np.ones(s, np.float32) for i, s in enumerate(shapes)}
-    out = {i: np.empty(s, np.float32) for i, s in enumerate(shapes)}
 
     src = np.ones(model_bytes // 4, np.float32)
     dst = np.empty_like(src)
@@ -177,72 +277,42 @@ def main(argv=None) -> int:
         memcpy.append(time.perf_counter() - t)
     del src, dst
 
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start(["-m", "prophet_tf.ps.server", "--num-workers", "1", "--port", "0"],
-                           tmp)
-        try:
-            client = ps_client.PSClient(f"127.0.0.1:{port}", worker_id=0, num_workers=1)
-            client.wait_ready(60)
-            client.register(specs, SGD_CONFIG, params, timeout=120)
-            pool = concurrent.futures.ThreadPoolExecutor(args.inflight)
-            puller = concurrent.futures.ThreadPoolExecutor(1)
+        for num_ps in ps_counts:
+            run = {"ps": num_ps, "prophet": ps_steps(shapes, args.reps, args.inflight, num_ps, tmp)}
+            bare = [start([__file__, "--bare-server"], tmp) for _ in range(num_ps)]
+            try:
+                run["bare"] = bare_steps([port for _, port in bare], run["prophet"]["sizes"],
+                                         args.reps, args.inflight, [p.pid for p, _ in bare])
+            finally:
+                for proc, _ in bare:
+                    stop(proc)
+            runs.append(run)
 
-            def push_all(step):
-                chunks = ps_helpers.gradient_chunks(grads, partitions, step)
-                for f in [pool.submit(ps_helpers.push, client, [c], 60) for c in chunks]:
-                    f.result()
-
-            def pull_all(version):
-                n = 0
-                for chunk in client.pull(partitions, version, timeout=60):
-                    ps_helpers.write_chunk(chunk, out, by_id)
-                    n += 1
-                assert n == len(partitions)
-
-            step_t, push_t, pull_t = [], [], []
-            for step in range(args.reps + 1):  # step 0 also traces the applies
-                if step == 1:
-                    cpu0 = cpu_seconds(), cpu_seconds(proc.pid)
-                t = time.perf_counter()
-                pulled = puller.submit(pull_all, step + 1)
-                push_all(step)
-                pulled.result()
-                step_t.append(time.perf_counter() - t)
-            cpu = [(cpu_seconds() - cpu0[0]) / args.reps,
-                   (cpu_seconds(proc.pid) - cpu0[1]) / args.reps]
-            for step in range(args.reps + 1, 2 * args.reps + 2):
-                t = time.perf_counter()
-                push_all(step)
-                push_t.append(time.perf_counter() - t)
-                pull_all(step + 1)  # waits for the applies: not timed
-                t = time.perf_counter()
-                pull_all(step + 1)
-                pull_t.append(time.perf_counter() - t)
-            steps = 2 * args.reps + 2
-            np.testing.assert_allclose(out[0][:2, :4], params[0][:2, :4] - LR * steps,
-                                       atol=1e-4, err_msg="the PS's values are wrong")
-            client.close()
-            pool.shutdown()
-            puller.shutdown()
-        finally:
-            stop(proc)
-        bare, port = start([__file__, "--bare-server"], tmp)
-        try:
-            bare_t = bare_steps(port, [p.nbytes for p in partitions], args.reps, args.inflight)
-        finally:
-            stop(bare)
-
-    print(f"model: {model_bytes / 1e6:.0f} MB float32 in {len(shapes)} variables, "
-          f"{len(partitions)} partitions; W=1, 1 PS on loopback; SGD applied on the PS; "
-          f"{args.reps} reps after 1 warm-up; {args.inflight} pushes in flight")
-    print(f"step (push+apply+pull, model bytes/s): {summary(step_t[1:], model_bytes)}")
-    print(f"wire (both directions, bytes/s):       {summary(step_t[1:], 2 * model_bytes)}")
-    print(f"CPU per step: client {cpu[0] * 1e3:.0f} ms, PS {cpu[1] * 1e3:.0f} ms "
-          f"(wall {statistics.median(step_t[1:]) * 1e3:.0f} ms, {os.cpu_count()} cores)")
-    print(f"push only:                             {summary(push_t[1:], model_bytes)}")
-    print(f"pull only:                             {summary(pull_t[1:], model_bytes)}")
-    print(f"bare gRPC step, same traffic:          {summary(bare_t, model_bytes)}")
+    print(f"model: {model_bytes / 1e6:.0f} MB float32 in {len(shapes)} variables; W=1 on "
+          f"loopback; SGD applied on the PS; {args.reps} reps after 1 warm-up; "
+          f"{args.inflight} pushes in flight; {os.cpu_count()} cores")
+    for run in runs:
+        p, b = run["prophet"], run["bare"]
+        print(f"--- {run['ps']} PS process(es), {p['partitions']} partitions")
+        print(f"step (push+apply+pull, model bytes/s): {summary(p['step_s'], model_bytes)}")
+        print(f"CPU-s per GB on the wire: client {per_gb(p['client_cpu_s'], model_bytes):.2f}, "
+              f"PS {per_gb(p['ps_cpu_s'], model_bytes):.2f}")
+        print(f"push only:                             {summary(p['push_s'], model_bytes)}")
+        print(f"pull only:                             {summary(p['pull_s'], model_bytes)}")
+        print(f"bare gRPC step, same traffic:          {summary(b['step_s'], model_bytes)}")
+        print(f"bare CPU-s per GB on the wire: client {per_gb(b['client_cpu_s'], model_bytes):.2f}, "
+              f"servers {per_gb(b['server_cpu_s'], model_bytes):.2f}")
     print(f"memcpy (numpy copyto, reference):      {summary(memcpy, model_bytes)}")
+    if args.json:
+        config = {k: v for k, v in vars(args).items()
+                  if k not in ("json", "bare_server", "port_file")}
+        config.update(model_bytes=model_bytes, cores=os.cpu_count())
+        for run in runs:
+            del run["prophet"]["sizes"]
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "memcpy_s": memcpy, "runs": runs}, f, indent=1)
     return 0
 
 

@@ -36,7 +36,7 @@ import os
 import re
 import sys
 
-from prophet_tf.bench import cut_table, profile_table, sweep_table
+from prophet_tf.bench import cut_table, profile_table, sweep_table, transport_table
 
 __all__ = ["bench_table", "events_table", "flow_share_table", "phases_table", "runs_table",
            "suite_table", "targets_table", "validate_table", "environment_table", "render",
@@ -368,7 +368,8 @@ def flow_share_table(result: dict) -> str:
 _KINDS = {"bench": bench_table, "suite": suite_table, "targets": targets_table,
           "validate": validate_table, "runs": runs_table, "phases": phases_table,
           "events": events_table, "flowshare": flow_share_table, "cuts": cut_table.cuts_table,
-          "sweep": sweep_table.sweep_table, "profile": profile_table.profile_table}
+          "sweep": sweep_table.sweep_table, "profile": profile_table.profile_table,
+          "transport": transport_table.transport_table}
 
 
 def environment_table(module: str) -> str:

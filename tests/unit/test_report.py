@@ -261,3 +261,22 @@ def test_a_sweep_table_has_each_scheduler_over_the_bound_per_cell():
     assert lines[2] == "| 4 / 1 | 1 | 2.00 | 1.50 | 2.000 |"
     assert lines[3] == "| 8 / 2 | 2.5 | 1.25 | 1.10 | 2.000 |"
     assert lines[-1].endswith("dedicated layout (one PS per 4 workers). From `c`.")
+
+
+def test_a_transport_table_has_rates_and_cpu_per_gb_of_each_side_per_ps_count():
+    from prophet_tf.bench import transport_table
+
+    def run(ps, client, server):  # a 1 GB model: a step moves 2 GB on the wire
+        return {"ps": ps,
+                "prophet": {"partitions": 4 * ps, "step_s": [2.0, 1.0, 4.0],
+                            "client_cpu_s": client, "ps_cpu_s": server},
+                "bare": {"step_s": [0.5], "client_cpu_s": 1.0, "server_cpu_s": 0.5}}
+    result = {"config": {"model_bytes": 10**9, "variables": 4, "inflight": 4, "reps": 3,
+                         "cores": 2},
+              "memcpy_s": [0.1, 0.2], "runs": [run(1, 2.0, 3.0), run(2, 1.0, 4.0)]}
+    lines = transport_table.transport_table(result).splitlines()
+    assert lines[2] == ("| 1 | 4 | 0.50 (0.25–1.00) | 1.00 | 1.50 | 2.50 | 2.00 (2.00–2.00) | "
+                        "0.50 | 0.25 | 0.75 |")
+    assert lines[3].startswith("| 2 | 8 | 0.50 (0.25–1.00) | 0.50 | 2.00 | 2.50 |")
+    assert "A 1000 MB float32 model in 4 variables" in lines[-1]
+    assert "memcpy of the model 7.50 (5.00–10.00) GB/s" in lines[-1]

@@ -1,0 +1,44 @@
+"""The docs' table of ``benchmarks/bench_transport.py``: push + apply + pull on
+loopback against bare gRPC, rate and CPU (``prophet-tf report``'s ``transport`` kind)."""
+from __future__ import annotations
+
+import statistics
+
+__all__ = ["transport_table"]
+
+
+def _rate(seconds: list[float], nbytes: int) -> str:
+    """Median GB/s of model bytes and its spread."""
+    rates = sorted(nbytes / s / 1e9 for s in seconds)
+    return f"{statistics.median(rates):.2f} ({rates[0]:.2f}–{rates[-1]:.2f})"
+
+
+def _per_gb(cpu_s: float, model_bytes: int) -> str:
+    """CPU-seconds per GB on the wire: a step moves the model both ways."""
+    return f"{cpu_s / (2 * model_bytes / 1e9):.2f}"
+
+
+def transport_table(result: dict) -> str:
+    """Markdown lines: a row per PS process count, the PS path's and bare gRPC's
+    GB/s (median and spread) and CPU-seconds per GB on the wire of each side."""
+    config = result["config"]
+    size = config["model_bytes"]
+    lines = ["| PS processes | partitions | push+apply+pull GB/s | CPU-s/GB worker | "
+             "CPU-s/GB PS | CPU-s/GB both | bare gRPC GB/s | bare CPU-s/GB client | "
+             "bare CPU-s/GB servers | bare CPU-s/GB both |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in result["runs"]:
+        p, b = run["prophet"], run["bare"]
+        lines.append(
+            f"| {run['ps']} | {p['partitions']} | {_rate(p['step_s'], size)} | "
+            f"{_per_gb(p['client_cpu_s'], size)} | {_per_gb(p['ps_cpu_s'], size)} | "
+            f"{_per_gb(p['client_cpu_s'] + p['ps_cpu_s'], size)} | {_rate(b['step_s'], size)} | "
+            f"{_per_gb(b['client_cpu_s'], size)} | {_per_gb(b['server_cpu_s'], size)} | "
+            f"{_per_gb(b['client_cpu_s'] + b['server_cpu_s'], size)} |")
+    lines.append("")
+    lines.append(f"A {size / 1e6:.0f} MB float32 model in {config['variables']} variables, one "
+                 f"worker on loopback, SGD on the PS, {config['inflight']} pushes in flight; "
+                 f"median (min–max) of {config['reps']} steps after a warm-up; "
+                 f"{config['cores']} cores; memcpy of the model {_rate(result['memcpy_s'], size)} "
+                 "GB/s.")
+    return "\n".join(lines) + "\n"

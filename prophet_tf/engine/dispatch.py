@@ -57,7 +57,8 @@ class Dispatch:
             raise ValueError(f"native keys must be distinct. Received: {self.native_keys}")
         self.specs = list(specs)
         self.scheduler = scheduler
-        self.partition_bytes = scheduler.partition_bytes or schedulers.DEFAULT_PARTITION_BYTES
+        self.partition_bytes = scheduler.partition_bytes_for(sharding.model_bytes(self.specs),
+                                                             num_ps)
         self.partitions = sharding.plan(self.specs, num_ps, self.partition_bytes,
                                         spread=balance)
         self.partitions_of: dict[int, list[sharding.Partition]] = {}

@@ -50,7 +50,7 @@ from typing import Iterable, Sequence
 from prophet_tf import codec
 
 __all__ = ["DEFAULT_MAX_PARTITION_BYTES", "PIECES_PER_PS", "Partition", "plan", "owned_by",
-           "elements", "max_partitions", "whole_shape"]
+           "elements", "max_partitions", "whole_shape", "model_bytes"]
 
 DEFAULT_MAX_PARTITION_BYTES = 4 * 1024 * 1024
 #: The spread rule cuts the model into at least this many pieces per PS task,
@@ -112,6 +112,11 @@ def _checked(specs: Iterable) -> list[tuple[int, int, int]]:
             raise ValueError(f"Negative dimension in variable {key}. Received: shape={shape}")
         out.append((key, math.prod(shape), codec.to_numpy_dtype(spec.dtype).itemsize))
     return sorted(out)
+
+
+def model_bytes(specs: Iterable) -> int:
+    """The bytes of every variable of ``specs`` together (checked as :func:`plan` does)."""
+    return sum(count * itemsize for _, count, itemsize in _checked(specs))
 
 
 def _even_split(count: int, parts: int) -> list[tuple[int, int]]:

@@ -455,15 +455,33 @@ def test_registry_and_partition_sizes():
     assert list(schedulers.SCHEDULERS) == ALL
     assert schedulers.DEFAULT_PARTITION_BYTES == sharding.DEFAULT_MAX_PARTITION_BYTES
     sizes = {n: schedulers.make_scheduler(n).partition_bytes for n in ALL}
-    assert sizes == {"fifo": None, "p3": 200_000, "bytescheduler": 4_096_000, "prophet": 200_000}
+    assert sizes == {"fifo": None, "p3": 200_000, "bytescheduler": 4_096_000, "prophet": None}
     assert schedulers.make_scheduler("p3", slice_bytes=1000).partition_bytes == 1000
     bs = schedulers.make_scheduler("bytescheduler", partition_bytes=1000)
     assert (bs.partition_bytes, bs.credit_bytes) == (1000, 4000)
     prophet = schedulers.make_scheduler("prophet", partition_bytes=65536)
     assert prophet.partition_bytes == 65536
-    assert schedulers.make_scheduler("prophet").partition_bytes == 200_000  # P3's slice
+    assert prophet.partition_bytes_for(10**9, 1) == 65536  # the option, whatever the model
     for n in ALL:
         json.dumps(schedulers.make_scheduler(n).plan())
+
+
+def test_prophet_cuts_a_fortieth_of_each_ps_tasks_share_from_p3s_slice_to_4_mib():
+    prophet = schedulers.make_scheduler("prophet")
+    mib = 1024 * 1024
+    # ResNet-50's 102 MB: 2.56 MB partitions with one PS task, 640 KB with four,
+    assert prophet.partition_bytes_for(102_400_000, 1) == 2_560_000
+    assert prophet.partition_bytes_for(102_400_000, 4) == 640_000
+    # and P3's 200 KB slices from 13 tasks up, as for every small model.
+    assert prophet.partition_bytes_for(102_400_000, 13) == 200_000
+    assert prophet.partition_bytes_for(6_000_000, 1) == 200_000
+    # VGG16's 528 MB over 2 tasks: the default partition size, not 6.6 MB.
+    assert prophet.partition_bytes_for(528_000_000, 2) == 4 * mib
+    # The others keep their one size whatever the model.
+    for name in ("fifo", "p3", "bytescheduler"):
+        scheduler = schedulers.make_scheduler(name)
+        assert (scheduler.partition_bytes_for(10**9, 1) == scheduler.partition_bytes_for(10, 8)
+                == (scheduler.partition_bytes or schedulers.DEFAULT_PARTITION_BYTES))
 
 
 @pytest.mark.parametrize("name, options, match", [

@@ -36,7 +36,7 @@ def test_zero_compute_gives_bytes_over_bandwidth(name):
     r = simulate.simulate(toy_profile([nbytes], [0.0], [0.0]), name, workers=1, num_ps=1,
                           bandwidth_mbit=80, rpc_overhead_s=0.0, framing=1.0)
     one_way = nbytes * 8 / 80e6
-    partition = min(nbytes, schedulers.make_scheduler(name).partition_bytes or nbytes)
+    partition = min(nbytes, schedulers.make_scheduler(name).partition_bytes_for(nbytes, 1))
     # Pipelined by partitions: all bytes one way plus the last partition back.
     assert one_way + partition * 8 / 80e6 - 1e-9 <= r["step_time_s"] <= 2 * one_way + 1e-9
     # The only variable is the first layer: its push and pull, pipelined by

@@ -10,7 +10,7 @@ Schedulers are not thread-safe.
 Contract (what the dispatch does):
 
 1. ``s = make_scheduler(name, **options)``; cut every variable into
-   partitions of at most ``s.partition_bytes or DEFAULT_PARTITION_BYTES``
+   partitions of at most ``s.partition_bytes_for(model_bytes, num_ps)``
    bytes (element ranges: ``sharding.plan``). The PS tasks
    must be started with the same ``max_partition_bytes``.
 2. When the gradient of variable ``key`` for training iteration ``iteration`` is
@@ -166,6 +166,11 @@ class Scheduler(abc.ABC):
     def partition_bytes(self) -> int | None:
         """Partition size this scheduler wants; None means the default."""
         return None
+
+    def partition_bytes_for(self, model_bytes: int, num_ps: int) -> int:
+        """The partition size for a model of ``model_bytes`` over ``num_ps``
+        PS tasks: :attr:`partition_bytes`, else :data:`DEFAULT_PARTITION_BYTES`."""
+        return self.partition_bytes or DEFAULT_PARTITION_BYTES
 
     @property
     def windows(self) -> Windows:

@@ -7,7 +7,7 @@ import logging
 from typing import Sequence
 
 from prophet_tf.engine.schedulers import profiler
-from prophet_tf.engine.schedulers.base import PriorityScheduler, ReadyItem
+from prophet_tf.engine.schedulers.base import DEFAULT_PARTITION_BYTES, PriorityScheduler, ReadyItem
 
 __all__ = ["ProphetScheduler"]
 
@@ -101,14 +101,23 @@ class ProphetScheduler(PriorityScheduler):
     #: bench CNN, ResNet-50, VGG16, InceptionV3); 4 MiB blocks left the bench
     #: CNN at FIFO's speed.
     BLOCK_BYTES = 512 * 1024
-    #: Partition size (ours): P3's slice. A PS answers a pull in one stream, a
-    #: partition at a time, so an urgent parameter waits behind at most one
-    #: partition on the wire; with 512 KiB partitions the bench CNN's last
-    #: parameter arrived 16-25 ms after its last push, against 2-5 ms for P3's
-    #: 200 KB slices. Measured (`prophet-tf bench`, 3 runs each, CNN, 2
+    #: Smallest partition (ours): P3's slice. A PS answers a pull in one
+    #: stream, a partition at a time, so an urgent parameter waits behind at
+    #: most one partition on the wire; with 512 KiB partitions the bench CNN's
+    #: last parameter arrived 16-25 ms after its last push, against 2-5 ms for
+    #: P3's 200 KB slices. Measured (`prophet-tf bench`, 3 runs each, CNN, 2
     #: workers, 200 Mbit/s): 230.2 -> 220.0 ms with real compute, 222.1 ->
     #: 205.4 ms with emulated compute (40 ms); blocks keep their 512 KiB bound.
     PARTITION_BYTES = 200_000
+    #: Partitions per PS task's share of the model, when the model is large
+    #: enough: every message has a fixed cost at its ends, so a larger model
+    #: gets larger partitions rather than more of them, while each partition
+    #: stays a fortieth of what a PS link carries per step (the wait an urgent
+    #: pull may have behind one, relative to the step). Simulated on ResNet-50
+    #: (docs/records/2026-12-06-partition-size-by-share.md): 200 KB
+    #: partitions cost 1.31-1.61x the ideal bound with one PS task from 2.5
+    #: Gbit/s; a fortieth of the share (2.5 MB), 1.01-1.23x.
+    PARTITIONS_PER_PS = 40
     WARMUP_ITERATIONS = 2
     PROFILE_ITERATIONS = 5
     #: Iterations before the first plan is in force (warm-up, profile, the one
@@ -119,10 +128,11 @@ class ProphetScheduler(PriorityScheduler):
     #: The default window: two blocks in flight per link (one on the wire, one
     #: queued behind it), of at most BLOCK_BYTES each unless one item is larger.
     BLOCKS_IN_FLIGHT = 2
-    #: ``partition_bytes``: the partition size the workers declare.
-    OPTIONS = {"partition_bytes": PARTITION_BYTES, "blocks_in_flight": BLOCKS_IN_FLIGHT}
+    #: ``partition_bytes``: the partition size the workers declare (None: a
+    #: fortieth of a PS task's share, from 200 KB to 4 MiB).
+    OPTIONS = {"partition_bytes": None, "blocks_in_flight": BLOCKS_IN_FLIGHT}
 
-    def __init__(self, partition_bytes: int = PARTITION_BYTES,
+    def __init__(self, partition_bytes: int | None = None,
                  blocks_in_flight: int = BLOCKS_IN_FLIGHT):
         super().__init__()
         self._partition_bytes = partition_bytes
@@ -276,8 +286,17 @@ class ProphetScheduler(PriorityScheduler):
         return []
 
     @property
-    def partition_bytes(self) -> int:
+    def partition_bytes(self) -> int | None:
+        """The partition size given as an option; None: by the model's size."""
         return self._partition_bytes
+
+    def partition_bytes_for(self, model_bytes: int, num_ps: int) -> int:
+        """The option, else a :data:`PARTITIONS_PER_PS`-th of a PS task's share,
+        at least :data:`PARTITION_BYTES` and at most the default partition size."""
+        if self._partition_bytes is not None:
+            return self._partition_bytes
+        share = model_bytes // (num_ps * self.PARTITIONS_PER_PS)
+        return min(max(share, self.PARTITION_BYTES), DEFAULT_PARTITION_BYTES)
 
     def _urgent_block(self, link: int, heap: list) -> list[ReadyItem] | None:
         window = self.windows[link]

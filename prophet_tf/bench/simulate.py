@@ -60,6 +60,7 @@ measured link is :mod:`prophet_tf.bench.simulate_flow_share`.
 """
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import math
@@ -101,11 +102,12 @@ class _Servers:
 
     def __init__(self, sim: FluidSim, pushers: int):
         self.sim, self.pushers = sim, pushers
-        self.available: dict[tuple, float] = {}  # (key, partition, version) -> time at PS
+        # version -> partition_id(key, partition) -> time at PS
+        self.available: dict[int, dict[int, float]] = collections.defaultdict(dict)
         self._pushes: dict[tuple, int] = {}
         self._waiting: dict[int, list[Callable]] = {}  # ps -> pulls to resume
         # ps -> worker -> (version, partitions not yet sent) of its pull in progress
-        self.pulls: dict[int, dict[int, tuple[int, list]]] = {}
+        self.pulls: dict[int, dict[int, tuple[int, list]]] = collections.defaultdict(dict)
 
     def arrived(self, ps: int, items, at: float) -> None:
         applied = False
@@ -113,7 +115,7 @@ class _Servers:
             version = (item.key, item.partition, item.iteration + 1)
             count = self._pushes.pop(version, 0) + 1
             if count == self.pushers:
-                self.available[version] = at
+                self.available[item.iteration + 1][partition_id(item.key, item.partition)] = at
                 applied = True
             else:
                 self._pushes[version] = count
@@ -134,6 +136,17 @@ class _Servers:
                    if worker in workers and version <= max_version)
 
 
+_PARTITION_BITS = 24
+
+
+def partition_id(key: int, partition: int) -> int:
+    """One int for a partition: a cheaper key than the tuple."""
+    if partition >> _PARTITION_BITS:
+        raise ValueError(f"a variable has more than 2**{_PARTITION_BITS} partitions. "
+                         f"Received: partition {partition} of key {key}")
+    return key << _PARTITION_BITS | partition
+
+
 class _Worker:
     """One worker's engine, compute and pulls, in virtual time."""
 
@@ -145,6 +158,9 @@ class _Worker:
         self.sim, self.dispatch, self.servers = sim, dispatch, servers
         self.push_links = [network.push_links(index, ps) for ps in range(num_ps)]
         self.pull_links = [network.pull_links(index, ps) for ps in range(num_ps)]
+        # Their link ids, looked up at the first message (that numbers the links).
+        self.push_routes: list = [False] * num_ps
+        self.pull_routes: list = [False] * num_ps
         self.finished = [] if finished is None else finished  # workers past their last iteration
         self.vars = profile["variables"]
         self.fwd = [f * compute_scale for f in models.variable_forward_s(profile)]
@@ -152,7 +168,10 @@ class _Worker:
         self.num_ps, self.iterations = num_ps, iterations
         self.latency, self.overhead, self.per_byte = latency_s, rpc_overhead_s, rpc_per_byte_s
         self.parts_of = dispatch.partitions_of
-        self.owned = [dispatch.pull_order(i) for i in range(num_ps)]
+        # Each PS's partitions by id, in the order to pull them.
+        self.owned = [[partition_id(p.key, p.partition) for p in dispatch.pull_order(i)]
+                      for i in range(num_ps)]
+        self.partition_of = {partition_id(p.key, p.partition): p for p in dispatch.partitions}
         self.pull_queue: list[list[int]] = [[] for _ in range(num_ps)]  # versions asked for
         self.pulling = [False] * num_ps
         self.index = index
@@ -191,9 +210,8 @@ class _Worker:
         begin = self.sim.now
         order = sorted(range(len(self.vars)), key=lambda i: (self.ready[i], -i))
         iteration = self.iteration
-        for i in order:
-            self.sim.at(begin + self.ready[i], lambda i=i: self._grad_ready(i, iteration))
-        self.sim.at(begin + max(self.ready), self._iteration_end)
+        self.sim.at_sorted([(begin + self.ready[i], lambda i=i: self._grad_ready(i, iteration))
+                            for i in order] + [(begin + max(self.ready), self._iteration_end)])
 
     def _iteration_end(self) -> None:
         self.iteration += 1
@@ -223,19 +241,24 @@ class _Worker:
 
     def _send(self, block) -> None:
         ps = block[0].ps_index
-        step = min(item.iteration for item in block)
+        step = block[0].iteration if len(block) == 1 else min(item.iteration for item in block)
         if self.other_workers and ps not in self.local_ps and step > self.cleared:
             if self.servers.owed(self.local_ps, step, self.other_workers):
                 self.sim.at(self.sim.now + ANSWERS_POLL_S, lambda: self._send(block))
                 return
             self.cleared = step
         start = self.sim.now
-        nbytes = sum(item.nbytes for item in block)
+        nbytes = block[0].nbytes if len(block) == 1 else sum(item.nbytes for item in block)
         self.pushed_bytes += nbytes
         self.dispatch.release(block)  # serialized at the start, as in the engine
-        self.sim.at(start + self._cost(nbytes), lambda: self.sim.start_flow(
-            nbytes, self.push_links[ps],
-            lambda: self._arrived_at_ps(block, start, ps)))
+        self.sim.at(start + self._cost(nbytes), lambda: self._push_flow(block, start, ps, nbytes))
+
+    def _push_flow(self, block, start: float, ps: int, nbytes: int) -> None:
+        routes = self.push_routes
+        if routes[ps] is False:
+            routes[ps] = self.sim.route(self.push_links[ps])
+        self.sim.start_flow(nbytes, self.push_links[ps],
+                            lambda: self._arrived_at_ps(block, start, ps), routes[ps])
 
     def _arrived_at_ps(self, block, start: float, ps: int) -> None:
         at_ps = self.sim.now + self.latency
@@ -258,35 +281,41 @@ class _Worker:
     def _pull(self, ps: int, version: int, left: list) -> None:
         """The PS streams each partition of ``version`` once it is applied; of
         those applied, the most urgent first (``left`` is in priority order)."""
-        in_progress = self.servers.pulls.setdefault(ps, {})
+        in_progress = self.servers.pulls[ps]
         if not left:
             in_progress.pop(self.index, None)
             self.pulling[ps] = False
             self._next_pull(ps)
             return
         in_progress[self.index] = (version, left)  # what this PS still owes (answers first)
-        available, now = self.servers.available, self.sim.now
-        for i, p in enumerate(left):  # the first one applied (most often the first)
-            t = available.get((p.key, p.partition, version))
-            if t is not None and t <= now:
+        available, now = self.servers.available[version], self.sim.now
+        applied = available.__contains__
+        for uid in filter(applied, left):  # the first one applied (most often the first)
+            if available[uid] <= now:
                 break
         else:
             def resume(ps=ps, version=version, left=left):
                 self._pull(ps, version, left)
-            known = [t for t in (available.get((p.key, p.partition, version)) for p in left)
-                     if t is not None]
+            known = [available[uid] for uid in filter(applied, left)]
             if known:
                 self.sim.at(min(known), resume)
             else:
                 self.servers.wait(ps, resume)
             return
-        del left[i]
+        left.remove(uid)
+        p = self.partition_of[uid]
+        self.sim.at(now + self._cost(p.nbytes), lambda: self._pull_flow(ps, version, left, p))
 
-        def delivered(p=p):
-            self.sim.at(self.sim.now + self.latency, lambda: self._deliver(p, version))
+    def _pull_flow(self, ps: int, version: int, left: list, p) -> None:
+        sim = self.sim
+
+        def delivered():
+            sim.at(sim.now + self.latency, lambda: self._deliver(p, version))
             self._pull(ps, version, left)
-        self.sim.at(self.sim.now + self._cost(p.nbytes), lambda: self.sim.start_flow(
-            p.nbytes, self.pull_links[ps], delivered))
+        routes = self.pull_routes
+        if routes[ps] is False:
+            routes[ps] = sim.route(self.pull_links[ps])
+        sim.start_flow(p.nbytes, self.pull_links[ps], delivered, routes[ps])
 
     def _cost(self, nbytes: int) -> float:
         """A message's time at the ends, besides the link: per message and per byte."""

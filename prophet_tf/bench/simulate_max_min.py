@@ -106,23 +106,40 @@ def levels(capacity: np.ndarray, pairs: np.ndarray, weight: np.ndarray) -> np.nd
     arrays of links, so a computation costs per distinct level, not per class
     of flows (4,000 at 64 colocated workers, about 30 levels).
     """
-    left, weight = capacity.copy(), weight.copy()
-    level = np.full(len(capacity), NO_LEVEL)
+    n = len(capacity)
+    # Capacity left (row 0) and weight not yet limited (row 1) of each link,
+    # updated together: a round with one full link (most) is a few operations.
+    state = np.empty((2, n))
+    state[0], state[1] = capacity, weight
+    left, weight = state
+    level = np.full(n, NO_LEVEL)
+    share = np.empty(n)
+    both = np.empty((2, n))
+    taken, unlimited = both  # the two rows
+    lowest = np.fmin.reduce
     # A link is out of the filling (share inf) once full, or once no flow of
     # its is left to fix (left over weight 0: inf, or nan if left is 0 too).
     left[weight <= 0] = math.inf
     with np.errstate(divide="ignore", invalid="ignore"):
         while True:
-            share = left / weight
-            least = np.fmin.reduce(share)  # nan: left 0 over weight 0
+            np.divide(left, weight, out=share)
+            least = float(lowest(share))  # nan: left 0 over weight 0
             if least == math.inf:
                 return level
-            full = np.flatnonzero(share <= least * (1 + _TIES))
-            level[full] = fixed = share[full]
-            left[full] = math.inf
-            crossing = pairs[full]
-            left -= fixed @ crossing
-            weight -= np.add.reduce(crossing, 0)
+            full = (share <= least * (1 + _TIES)).nonzero()[0]
+            if len(full) == 1:  # the same products as the matrix one below
+                link = full[0]
+                level[link] = fixed = share[link]
+                left[link] = math.inf
+                crossing = pairs[link]
+                np.multiply(crossing, fixed, out=taken)
+                np.copyto(unlimited, crossing)
+                state -= both
+            else:
+                level[full] = fixed = share[full]
+                left[full] = math.inf
+                crossing = pairs[full]
+                left -= fixed @ crossing
+                weight -= np.add.reduce(crossing, 0)
             # Rounding: never below 0 (-inf shares), so a link out stays out.
-            np.maximum(left, 0.0, out=left)
-            np.maximum(weight, 0.0, out=weight)
+            np.maximum(state, 0.0, out=state)

@@ -5,7 +5,8 @@
   end is an event that moves whenever another flow starts or ends on a link
   it shares.
 - the max-min fair rates of its flows: :mod:`prophet_tf.bench.simulate_max_min`;
-  the links of a cluster layout: :mod:`prophet_tf.bench.simulate_links`.
+  the links of a cluster layout: :mod:`prophet_tf.bench.simulate_links`; the
+  queue's order of events: :mod:`prophet_tf.bench.simulate_events`.
 
 What keeps it fast at many workers: a colocated run with one PS per host
 has about 1.5 W² flows in flight (nearly every sender and receiver pair has
@@ -69,6 +70,7 @@ from typing import Callable
 import numpy as np
 
 from prophet_tf.bench import simulate_max_min as max_min
+from prophet_tf.bench.simulate_events import EventQueue
 from prophet_tf.bench.simulate_rate_lag import RateLag
 
 __all__ = ["FluidSim"]
@@ -108,7 +110,7 @@ class _Flow:
         return float(self.sim._remaining[self.slot])
 
 
-class FluidSim(RateLag):
+class FluidSim(EventQueue, RateLag):
     """Event queue plus a fluid network of weighted max-min fair flows.
 
     Each flow's weight is 1, or with ``share_sigma`` > 0 drawn from a
@@ -134,12 +136,10 @@ class FluidSim(RateLag):
         if rate_lag_s and not classes:
             raise ValueError("classes=False is the straightforward path, every rate "
                              "recomputed at every change: it takes no rate_lag_s")
+        super().__init__()
         self.share_sigma = share_sigma
         self.rate_lag_s = rate_lag_s
         self._random = random.Random(seed)
-        self.now = 0.0
-        self._events: list = []
-        self._seq = 0
         self.capacity = capacity  # link -> bytes/s (math.inf = unlimited)
         self._grouped = classes
         # Links by id: the rates are computed over lists, not dicts. Id 0 is
@@ -165,6 +165,7 @@ class FluidSim(RateLag):
         self._first = self._second = np.zeros(0, dtype=np.intp)
         self._flow_at: list = []
         self._free: list[int] = []
+        self._slots_used = 0  # past the last slot in use (rate lag), or more
         self._flow_seq = 0
         self._last = 0.0
         self._epoch = 0
@@ -177,40 +178,39 @@ class FluidSim(RateLag):
         self._refill_at = None  # when the rates are due (None: up to date)
         self._spare: list[float] = [math.inf]  # per link: capacity no flow had at _last
         self._capacity_array = np.zeros(0)  # _link_capacity, as of the latest computation
-        # The flows in flight at _last, by end: times, slots (arrays: few are
-        # read before the next computation), the next one's place.
-        self._end_times = self._end_slots = np.zeros(0)
+        # The flows in flight at _last that end before the next computation
+        # (or the first to end), by end: times, slots, the next one's place.
+        self._end_times: list[float] = []
+        self._end_slots: list[int] = []
         self._end_next = 0
         self._late: list[tuple] = []  # heap of (end, seq, slot) of flows started since
-        self._end_at = math.inf  # the time of the pending flow-end event
+        # The pending flow-end event (rate lag): its unclamped time, and its
+        # time and place in the queue; it is not in the queue (see RateLag).
+        self._end_at = math.inf
+        self._end_time, self._end_place = math.inf, 0
 
     # -- events -------------------------------------------------------------------------
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (max(t, self.now), self._seq, fn))
 
     def run(self, until: Callable[[], bool]) -> None:
         if self.rate_lag_s:
             self._lagged_run(until)
             return
-        events = self._events
         while not until():
-            if self._stale and self._due(events):
+            if self._stale and self._due():
                 self._update()
-            if not events:
+            fn = self._pop_event()
+            if fn is None:
                 return
-            t, _, fn = heapq.heappop(events)
-            self.now = t
             fn()
 
-    def _due(self, events: list) -> bool:
+    def _due(self) -> bool:
         """Whether the rates must be brought up to date before the next event:
         time moves on, or the flow-end event may come first at this instant
         (an event queued after the change, while a flow is about to end)."""
-        if not events:
+        head = self._next_event()
+        if head is None:
             return True
-        t, seq, _ = events[0]
+        t, seq = head
         return t > self.now or (seq > self._end_seq and self._soon)
 
     # -- flows --------------------------------------------------------------------------
@@ -222,14 +222,24 @@ class FluidSim(RateLag):
             self._update()
         return sorted((f for f in self._flow_at if f is not None), key=lambda f: f.seq)
 
-    def start_flow(self, nbytes: float, links: tuple, done: Callable[[], None]) -> None:
+    def route(self, links: tuple) -> tuple | None:
+        """The ids of the links of a path that limit it (None: none does), for
+        :meth:`start_flow`: a caller that keeps them saves looking them up."""
+        ids = self._path_ids.get(links, False)
+        if ids is False:
+            ids = self._path_ids[links] = self._ids(links)
+        return ids
+
+    def start_flow(self, nbytes: float, links: tuple, done: Callable[[], None],
+                   ids: tuple | None | bool = False) -> None:
+        """A flow of ``nbytes`` over ``links`` (whose :meth:`route` is ``ids``, or
+        looked up if False); ``done`` runs when its last byte is in."""
         lag = self.rate_lag_s
         if not lag:
             self._advance()
         weight = math.exp(self._random.gauss(0.0, self.share_sigma)) if self.share_sigma else 1.0
-        ids = self._path_ids.get(links, False)
         if ids is False:
-            ids = self._path_ids[links] = self._ids(links)
+            ids = self.route(links)
         if nbytes <= 0 or ids is None:
             self.at(self.now, done)
             return
@@ -237,6 +247,8 @@ class FluidSim(RateLag):
         if not self._free:
             self._grow()
         slot = self._free.pop()
+        if slot >= self._slots_used:
+            self._slots_used = slot + 1
         flow = self._flow_at[slot] = _Flow(self, slot, self._flow_seq, links, ids, done, weight)
         self._remaining[slot] = float(nbytes)
         if lag:

@@ -25,20 +25,39 @@ class RateLag:
     """The rate-lag methods of ``FluidSim`` (which holds the state they use)."""
 
     def _lagged_run(self, until) -> None:
-        events = self._events
+        """Runs the events in order, the pending flow end (kept out of the
+        queue: it moves at most flow starts, and a queued one would be left
+        behind stale each time) among them at its time and place."""
+        events, instant = self._events, self._instant
         while not until():
+            if instant:  # events at now: the rates are not due before they ran
+                place, fn = instant[0]
+                if events and events[0][0] <= self.now and events[0][1] < place:
+                    fn = heapq.heappop(events)[2]
+                elif self._end_time <= self.now and self._end_place < place:
+                    fn = self._end_now
+                else:
+                    instant.popleft()
+                fn()
+                continue
+            t = events[0][0] if events else math.inf
+            end = self._end_time
             refill_at = self._refill_at
-            if refill_at is not None and (not events or events[0][0] > refill_at):
+            if refill_at is not None and min(t, end) > refill_at:
                 # After the last event of that instant: the changes made at
                 # it are all in.
                 self.now = max(self.now, refill_at)
                 self._refill()
                 continue
-            if not events:
+            if end < t or (end == t < math.inf and self._end_place < events[0][1]):
+                self.now = end
+                self._end_now()
+            elif events:
+                t, _, fn = heapq.heappop(events)
+                self.now = t
+                fn()
+            else:
                 return
-            t, _, fn = heapq.heappop(events)
-            self.now = t
-            fn()
 
     def _lagged_start(self, flow, nbytes: float) -> None:
         """Until the rates are recomputed, the flow takes what its links have
@@ -49,7 +68,11 @@ class RateLag:
         self._first[slot] = ids[0]
         self._second[slot] = ids[1] if len(ids) > 1 else 0  # 0: no link
         spare = self._spare
-        rate = max(min(spare[link] for link in ids), 0.0)
+        rate = spare[ids[0]]  # the least spare of its links, 0 if none
+        if len(ids) > 1 and spare[ids[1]] < rate:
+            rate = spare[ids[1]]
+        if 0.0 > rate:
+            rate = 0.0
         self._rate[slot] = rate
         if rate > 0:
             for link in ids:
@@ -70,60 +93,68 @@ class RateLag:
         """The max-min rates of the flows in flight, and the order they end in."""
         now = self.now
         self._refill_at = None
-        self._epoch += 1  # the pending flow-end event was of the old rates
-        self._end_at = math.inf
-        remaining = self._remaining
-        remaining -= self._rate * (now - self._last)
+        self._end_at = self._end_time = math.inf  # the pending flow end was of the old rates
+        # The slots past the last one in use hold no flow: left out (a free
+        # slot adds 0 to every sum and never ends).
+        used, flow_at = self._slots_used, self._flow_at
+        while used and flow_at[used - 1] is None:
+            used -= 1
+        self._slots_used = used
+        remaining = self._remaining[:used]
+        remaining -= self._rate[:used] * (now - self._last)
         self._last = now
         self._late.clear()  # their rates are recomputed too
         self._end_next = 0
-        self._fill_levels()
+        rate = self._fill_levels(used)
         with np.errstate(divide="ignore"):  # a free slot: inf bytes at rate 0
-            ends = now + np.maximum(remaining, 0.0) / self._rate
+            ends = now + np.maximum(remaining, 0.0) / rate
         # Ordered: the ends before the next computation if a flow starts or
         # ends before it, else the first one (its end brings one at once).
         soon = np.flatnonzero(ends <= now + self.rate_lag_s)
-        if not len(soon) and ends.min() < math.inf:
+        if not len(soon) and used and ends.min() < math.inf:
             soon = np.array([ends.argmin()])
-        self._end_slots = soon[np.argsort(ends[soon], kind="stable")]
-        self._end_times = ends[self._end_slots]
+        slots = soon[np.argsort(ends[soon], kind="stable")]
+        self._end_slots, self._end_times = slots.tolist(), ends[slots].tolist()
         self._next_end()
 
-    def _fill_levels(self) -> None:
-        """Sets every flow's rate and every link's spare capacity."""
+    def _fill_levels(self, used: int) -> np.ndarray:
+        """Sets the rate of every flow in the first ``used`` slots (returned)
+        and every link's spare capacity."""
         capacity = self._capacity_array
         if len(capacity) != len(self._link_capacity):  # links met since
             capacity = self._capacity_array = np.array(self._link_capacity)
         n = len(capacity)
-        first, second, weight = self._first, self._second, self._weight
+        first, second, weight = self._first[:used], self._second[:used], self._weight[:used]
         pairs = np.bincount(first * n + second, weights=weight,
                             minlength=n * n).reshape(n, n)
-        level = max_min.levels(capacity, pairs + pairs.T, pairs.sum(0) + pairs.sum(1))
-        self._rate = rate = weight * np.minimum(level[first], level[second])
+        total = np.add.reduce  # ndarray.sum's own reduction, without its wrapper
+        level = max_min.levels(capacity, pairs + pairs.T, total(pairs, 0) + total(pairs, 1))
+        rate = self._rate[:used]
+        np.multiply(weight, np.minimum(level[first], level[second]), out=rate)
         load = np.bincount(first, rate, n) + np.bincount(second, rate, n)
         self._spare = (capacity - load).tolist()
+        return rate
 
     def _next_end(self) -> None:
-        """Queues the flow-end event of the earliest end, unless it is queued."""
+        """Makes the earliest end the pending flow-end event, unless it is."""
         times, late = self._end_times, self._late
-        t = min(float(times[self._end_next]) if self._end_next < len(times) else math.inf,
+        t = min(times[self._end_next] if self._end_next < len(times) else math.inf,
                 late[0][0] if late else math.inf)
         if t < self._end_at:
+            # In place of the one pending, with the place a queued event takes.
             self._end_at = t
-            self._epoch += 1
-            epoch = self._epoch
-            self.at(t, lambda: self._lagged_finish(epoch))
+            self._seq += 1
+            self._end_time, self._end_place = max(t, self.now), self._seq
 
-    def _lagged_finish(self, epoch: int) -> None:
-        if epoch != self._epoch:
-            return
-        self._end_at = math.inf
+    def _end_now(self) -> None:
+        """The pending flow end is due: the flows due by now end."""
+        self._end_at = self._end_time = math.inf
         now = self.now
         times, slots, late = self._end_times, self._end_slots, self._late
         done = []
         i = self._end_next
         while i < len(times) and times[i] <= now:
-            done.append(self._flow_at[int(slots[i])])
+            done.append(self._flow_at[slots[i]])
             i += 1
         self._end_next = i
         while late and late[0][0] <= now:

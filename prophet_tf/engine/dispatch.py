@@ -124,10 +124,9 @@ class Dispatch:
         partitions = self.partitions_of[key]
         self._grads[key, iteration] = [payload, len(partitions)]
         priority = self.specs[key].priority
-        for p in partitions:
-            self.scheduler.add(schedulers.ReadyItem(
-                key=key, partition=p.partition, ps_index=p.ps_index, iteration=iteration,
-                priority=priority, nbytes=p.nbytes, ready_ns=ready_ns))
+        add, item = self.scheduler.add, schedulers.ReadyItem
+        for p in partitions:  # (key, partition, ps_index, iteration, priority, nbytes, ready_ns)
+            add(item(key, p.partition, p.ps_index, iteration, priority, p.nbytes, ready_ns))
         arrived = self._arrived.pop(iteration, 0) + 1
         if arrived == len(self.specs):
             self.scheduler.flush()

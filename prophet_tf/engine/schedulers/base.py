@@ -35,12 +35,13 @@ block ``next_block`` returns at once. Each scheduler sizes it with
 from __future__ import annotations
 
 import abc
+import bisect
 import dataclasses
 import heapq
 from typing import ClassVar, Sequence
 
-__all__ = ["ReadyItem", "urgency", "Window", "Windows", "Scheduler", "PriorityScheduler",
-           "DEFAULT_PARTITION_BYTES", "MAX_BLOCK_BYTES"]
+__all__ = ["ReadyItem", "urgency", "Window", "Windows", "ActiveLinks", "Scheduler",
+           "PriorityScheduler", "DEFAULT_PARTITION_BYTES", "MAX_BLOCK_BYTES"]
 
 #: Partition size when a scheduler has no preference: the PS side's default,
 #: ``prophet_tf.ps.sharding.DEFAULT_MAX_PARTITION_BYTES`` (why 4 MiB: see there).
@@ -132,19 +133,58 @@ class Windows(dict):
 
     def book(self, block: Sequence[ReadyItem]) -> None:
         window = self[block[0].ps_index]
-        if not window.fits(sum(item.nbytes for item in block)):
+        nbytes = block[0].nbytes if len(block) == 1 else sum(item.nbytes for item in block)
+        if not window.fits(nbytes):
             raise RuntimeError(
                 f"a scheduler released a block that does not fit link {block[0].ps_index}'s "
                 f"window ({window.blocks} blocks, {window.nbytes} bytes in flight; limits "
                 f"{window.max_blocks} blocks, {window.max_bytes} bytes). Received: "
                 f"{len(block)} items, {sum(item.nbytes for item in block)} bytes")
         window.blocks += 1
-        window.nbytes += sum(item.nbytes for item in block)
+        window.nbytes += nbytes
 
     def release(self, block: Sequence[ReadyItem]) -> None:
         window = self[block[0].ps_index]
         window.blocks -= 1
-        window.nbytes -= sum(item.nbytes for item in block)
+        window.nbytes -= block[0].nbytes if len(block) == 1 else sum(i.nbytes for i in block)
+
+
+class ActiveLinks:
+    """The links a scan for the next block must look at, in the order the
+    scheduler first had items for them (the order every scheduler scans in).
+
+    A scan puts a link to sleep when it has nothing queued or its window takes
+    no block; only an item queued for it (``wake``) or a block of it sent
+    (``wake_known``, from ``on_sent``) can change that. So a scan touches the
+    links that might start a block, not every link, and picks the same one.
+    """
+
+    __slots__ = ("_rank", "_awake")
+
+    def __init__(self):
+        self._rank: dict[int, int] = {}  # link -> when it first had an item
+        self._awake: list[int] = []  # by rank
+
+    def wake(self, link: int) -> None:
+        rank = self._rank.get(link)
+        if rank is None:
+            self._rank[link] = len(self._rank)
+            self._awake.append(link)  # the last rank
+        elif link not in self._awake:
+            bisect.insort(self._awake, link, key=self._rank.__getitem__)
+
+    def wake_known(self, link: int) -> None:
+        if link in self._rank and link not in self._awake:
+            bisect.insort(self._awake, link, key=self._rank.__getitem__)
+
+    def wake_all(self) -> None:
+        self._awake = list(self._rank)
+
+    def sleep(self, link: int) -> None:
+        self._awake.remove(link)
+
+    def __iter__(self):
+        return iter(self._awake.copy())  # a scan may put links to sleep
 
 
 class Scheduler(abc.ABC):
@@ -161,6 +201,8 @@ class Scheduler(abc.ABC):
     window_bytes: int | None = None
 
     _windows: Windows | None = None
+    #: The links worth scanning, for schedulers that keep them (None: none kept).
+    _active: ActiveLinks | None = None
 
     @property
     def partition_bytes(self) -> int | None:
@@ -184,6 +226,8 @@ class Scheduler(abc.ABC):
         if self._windows is not None and any(w.blocks for w in self._windows.values()):
             raise RuntimeError(f"scheduler {self.name!r} already has blocks in flight")
         self._windows = windows
+        if self._active is not None:  # other windows: any link may take a block
+            self._active.wake_all()
 
     @abc.abstractmethod
     def add(self, item: ReadyItem) -> None:
@@ -208,6 +252,8 @@ class Scheduler(abc.ABC):
         """A block returned by :meth:`next_block` was sent, from start to end."""
         if block:
             self.windows.release(block)
+            if self._active is not None:  # its window took a block less
+                self._active.wake_known(block[0].ps_index)
 
     def flush(self) -> None:
         """Send everything that is ready, without waiting for a plan's moment."""
@@ -227,11 +273,13 @@ class PriorityScheduler(Scheduler):
 
     def __init__(self):
         self._ready: dict[int, list] = {}
+        self._active = ActiveLinks()  # links in the order of _ready
         self._pending = 0
 
     def add(self, item: ReadyItem) -> None:
         heap = self._ready.setdefault(item.ps_index, [])
         heapq.heappush(heap, (item.iteration, item.priority, item.key, item.partition, item))
+        self._active.wake(item.ps_index)
         self._pending += 1
 
     def _start(self, block: list[ReadyItem]) -> list[ReadyItem]:

@@ -57,9 +57,12 @@ class ByteScheduler(PriorityScheduler):
         return self.credit_bytes
 
     def _select(self, now_ns: int) -> list[ReadyItem]:
-        for link, heap in self._ready.items():
-            if heap and self.windows[link].fits(heap[0][-1].nbytes):
+        windows, active = self.windows, self._active
+        for link in active:
+            heap = self._ready[link]
+            if heap and windows[link].fits(heap[0][-1].nbytes):
                 return self._start([heapq.heappop(heap)[-1]])
+            active.sleep(link)  # fits only after an add (a new head) or a sent block
         return []
 
     def plan(self) -> dict:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import collections
 
-from prophet_tf.engine.schedulers.base import MAX_BLOCK_BYTES, ReadyItem, Scheduler
+from prophet_tf.engine.schedulers.base import (MAX_BLOCK_BYTES, ActiveLinks, ReadyItem,
+                                               Scheduler)
 
 __all__ = ["FifoScheduler"]
 
@@ -21,6 +22,7 @@ class FifoScheduler(Scheduler):
     def __init__(self):
         self._groups: dict[int, collections.deque[list[ReadyItem]]] = {}  # link -> groups
         self._open: dict[tuple[int, int, int], list[ReadyItem]] = {}
+        self._active = ActiveLinks()  # links in the order of _groups
         self._pending = 0
 
     def add(self, item: ReadyItem) -> None:
@@ -30,12 +32,16 @@ class FifoScheduler(Scheduler):
             group = self._open[gid] = []
             self._groups.setdefault(item.ps_index, collections.deque()).append(group)
         group.append(item)
+        self._active.wake(item.ps_index)
         self._pending += 1
 
     def _select(self, now_ns: int) -> list[ReadyItem]:
-        for link, groups in self._groups.items():
-            if groups and self.windows[link].open:
+        windows, active = self.windows, self._active
+        for link in active:
+            groups = self._groups[link]
+            if groups and windows[link].open:
                 return self._take(groups)
+            active.sleep(link)  # nothing to send until an add or a sent block
         return []
 
     def _take(self, groups: collections.deque) -> list[ReadyItem]:

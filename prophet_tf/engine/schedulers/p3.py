@@ -43,9 +43,12 @@ class P3Scheduler(PriorityScheduler):
         return self.slice_bytes
 
     def _select(self, now_ns: int) -> list[ReadyItem]:
-        for link, heap in self._ready.items():
-            if heap and self.windows[link].open:
+        windows, active = self.windows, self._active
+        for link in active:
+            heap = self._ready[link]
+            if heap and windows[link].open:
                 return self._start([heapq.heappop(heap)[-1]])
+            active.sleep(link)  # nothing to send until an add or a sent block
         return []
 
     def plan(self) -> dict:

@@ -265,9 +265,11 @@ class ProphetScheduler(PriorityScheduler):
     # -- sending ----------------------------------------------------------------------
 
     def _select(self, now_ns: int) -> list[ReadyItem]:
-        plan = self._plan
-        for link, heap in self._ready.items():
-            if not heap or not self.windows[link].open:
+        plan, windows, active = self._plan, self.windows, self._active
+        for link in active:
+            heap = self._ready[link]
+            if not heap or not windows[link].open:
+                active.sleep(link)  # nothing to send until an add or a sent block
                 continue
             by_urgency = (plan is None or self._final or self._flushing
                           or len(plan.bursts) == 1 or heap[0][-1].iteration < self._iter)

@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         lag = args.rate_lag_ms / 1e3
         if args.plot:  # before the sweep, not after it
             extras.check("matplotlib", "--plot")
+            if args.sweep and "fifo" not in names:
+                raise ValueError(f"--sweep --plot draws the speedup over FIFO: --schedulers "
+                                 f"must name fifo. Received: --schedulers {args.schedulers}")
         if args.costs_from and not args.validate:
             raise ValueError(f"--costs-from is for --validate. Received: --costs-from "
                              f"{args.costs_from} without --validate")
@@ -341,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                          rpc_overhead_s=overhead, compute_s=args.compute_s, rate_lag_s=lag,
                          layout=args.layout)
             by = {(r["workers"], r["bandwidth_mbit"], r["scheduler"]): r for r in rows}
-            for r in rows:
-                f = by[r["workers"], r["bandwidth_mbit"], "fifo"]["step_time_s"]
-                r["speedup_vs_fifo"] = f / r["step_time_s"]
+            for r in rows:  # None without fifo in the sweep
+                fifo = by.get((r["workers"], r["bandwidth_mbit"], "fifo"))
+                r["speedup_vs_fifo"] = fifo and fifo["step_time_s"] / r["step_time_s"]
             _print_table(rows, [("workers", "workers", "d"), ("ps", "ps", "d"),
                                 ("Mbit/s", "bandwidth_mbit", ".0f"), ("scheduler", "scheduler", ""),
                                 ("step s", "step_time_s", ".4f"), ("ideal s", "ideal_step_time_s", ".4f"),

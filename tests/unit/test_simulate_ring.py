@@ -205,3 +205,18 @@ def test_a_colocated_sweep_puts_a_ps_task_on_every_worker_host(tmp_path, capsys)
     with pytest.raises(SystemExit):
         simulate_cli.main(["--sweep", "--sweep-workers", "2,0"])
     assert "Received: '2,0'" in capsys.readouterr().err
+
+
+def test_a_sweep_without_fifo_has_no_speedup_and_refuses_the_fifo_plot(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert simulate_cli.main(["--model", "cnn", "--sweep", "--sweep-workers", "2",
+                              "--schedulers", "p3", "--iterations", "10",
+                              "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["sweep"]
+    assert [r["scheduler"] for r in rows] == ["p3"] * 5  # one per link rate
+    assert all(r["speedup_vs_fifo"] is None for r in rows)
+    code = simulate_cli.main(["--model", "cnn", "--sweep", "--sweep-workers", "2",
+                              "--schedulers", "p3", "--plot", str(tmp_path / "s.png")])
+    assert code != 0
+    assert "must name fifo. Received: --schedulers p3" in capsys.readouterr().err
+    assert not (tmp_path / "s.png").exists()

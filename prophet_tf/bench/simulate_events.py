@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import heapq
-import math
 from typing import Callable
 
 __all__ = ["EventQueue"]
@@ -81,13 +80,3 @@ class EventQueue:
         t, _, fn = heapq.heappop(events)
         self.now = t
         return fn
-
-    @property
-    def _queue_empty(self) -> bool:
-        return not self._events and not self._instant
-
-    def _next_time(self) -> float:
-        """The time of the next event queued (inf: none)."""
-        if self._instant:
-            return self.now
-        return self._events[0][0] if self._events else math.inf

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # ps_helpers: cut gradients into chunks, write pulls back
 
 from prophet_tf import codec  # noqa: E402
+from prophet_tf.bench.transport_table import cpu_per_gb as per_gb  # noqa: E402
 import ps_helpers  # noqa: E402
 from prophet_tf.ps import client as ps_client  # noqa: E402
 from prophet_tf.ps import protocol  # noqa: E402
@@ -237,11 +238,6 @@ def ps_steps(shapes: list, reps: int, inflight: int, num_ps: int, tmp: str) -> d
     return {"partitions": len(plan), "sizes": [[p.nbytes for p in own] for own in owned],
             "step_s": step_t[1:], "push_s": push_t[1:], "pull_s": pull_t[1:],
             "client_cpu_s": cpu[0], "ps_cpu_s": cpu[1]}
-
-
-def per_gb(cpu_s: float, model_bytes: int) -> float:
-    """CPU-seconds per GB on the wire: a step moves the model both ways."""
-    return cpu_s / (2 * model_bytes / 1e9)
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["transport_table"]
+__all__ = ["transport_table", "cpu_per_gb"]
 
 
 def _rate(seconds: list[float], nbytes: int) -> str:
@@ -13,9 +13,13 @@ def _rate(seconds: list[float], nbytes: int) -> str:
     return f"{statistics.median(rates):.2f} ({rates[0]:.2f}–{rates[-1]:.2f})"
 
 
-def _per_gb(cpu_s: float, model_bytes: int) -> str:
+def cpu_per_gb(cpu_s: float, model_bytes: int) -> float:
     """CPU-seconds per GB on the wire: a step moves the model both ways."""
-    return f"{cpu_s / (2 * model_bytes / 1e9):.2f}"
+    return cpu_s / (2 * model_bytes / 1e9)
+
+
+def _per_gb(cpu_s: float, model_bytes: int) -> str:
+    return f"{cpu_per_gb(cpu_s, model_bytes):.2f}"
 
 
 def transport_table(result: dict) -> str:

@@ -213,7 +213,8 @@ def test_a_sweep_without_fifo_has_no_speedup_and_refuses_the_fifo_plot(tmp_path,
                               "--schedulers", "p3", "--iterations", "10",
                               "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["sweep"]
-    assert [r["scheduler"] for r in rows] == ["p3"] * 5  # one per link rate
+    assert [(r["scheduler"], r["bandwidth_mbit"]) for r in rows] == [
+        ("p3", mbit) for mbit in (1000, 2500, 5000, 10000, 25000)]  # the sweep's cells
     assert all(r["speedup_vs_fifo"] is None for r in rows)
     code = simulate_cli.main(["--model", "cnn", "--sweep", "--sweep-workers", "2",
                               "--schedulers", "p3", "--plot", str(tmp_path / "s.png")])

@@ -21,7 +21,7 @@ from typing import Sequence
 from prophet_tf import extras
 from prophet_tf.bench import message_costs, saved_profiles, simulate as simulate_lib
 from prophet_tf.bench import simulate_ring, simulate_sweep
-from prophet_tf.bench.simulate_sweep import parse_spec, simulate_spec
+from prophet_tf.bench.simulate_sweep import parse_spec
 from prophet_tf.bench.simulate_flow_share import share_sigma_for, uplink_connections
 from prophet_tf.bench import suite as suite_lib
 from prophet_tf.engine import schedulers as schedulers_lib
@@ -69,6 +69,9 @@ def _parse(argv):
                              "(default %(default)s; 0 recomputes them at every change, "
                              "exact but slow from 16 workers)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="simulations run at once, one process each (default: the "
+                             "cores this process may use); results do not depend on it")
     parser.add_argument("--sweep", action="store_true",
                         help="workers x 1-25 Gbit/s: dedicated, one PS host per 4 workers; "
                              "colocated, a PS task on every worker host")
@@ -110,6 +113,10 @@ def _parse(argv):
     args.sweep_workers = workers
     if args.ps is None:
         args.ps = args.workers if args.layout == "colocated" else 1
+    if args.jobs is None:
+        args.jobs = simulate_sweep.default_processes()
+    elif args.jobs < 1:
+        parser.error(f"--jobs takes a positive count. Received: {args.jobs}")
     return args
 
 
@@ -342,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = simulate_sweep.sweep(profile, names, args.sweep_workers,
                          [1000, 2500, 5000, 10000, 25000], iterations=args.iterations,
                          rpc_overhead_s=overhead, compute_s=args.compute_s, rate_lag_s=lag,
-                         layout=args.layout)
+                         layout=args.layout, processes=args.jobs)
             by = {(r["workers"], r["bandwidth_mbit"], r["scheduler"]): r for r in rows}
             for r in rows:  # None without fifo in the sweep
                 fifo = by.get((r["workers"], r["bandwidth_mbit"], "fifo"))
@@ -359,13 +366,14 @@ def main(argv: list[str] | None = None) -> int:
                 simulate_sweep.plot_sweep(rows, args.plot, f"{args.model}: simulated speedup over FIFO")
                 print(f"plot written to {args.plot}")
         else:
-            rows = [{**simulate_spec(
-                        profile, name, options, args.workers, args.ps, args.bandwidth_mbit,
-                        latency_ms=args.latency_ms, iterations=args.iterations,
-                        compute_s=args.compute_s, rpc_overhead_s=overhead, layout=args.layout,
-                        rate_lag_s=lag),
-                     "scheduler": spec}
-                    for spec, (name, options) in parsed.items()]
+            jobs = [dict(profile=profile, name=name, options=options, workers=args.workers,
+                         num_ps=args.ps, bandwidth_mbit=args.bandwidth_mbit,
+                         latency_ms=args.latency_ms, iterations=args.iterations,
+                         compute_s=args.compute_s, rpc_overhead_s=overhead,
+                         layout=args.layout, rate_lag_s=lag)
+                    for name, options in parsed.values()]
+            rows = [{**r, "scheduler": spec} for spec, r in
+                    zip(parsed, simulate_sweep.simulate_specs(jobs, args.jobs))]
             fifo = next((r["step_time_s"] for r in rows if r["scheduler"] == "fifo"), None)
             for r in rows:
                 r["speedup_vs_fifo"] = fifo / r["step_time_s"] if fifo else None

@@ -3,6 +3,9 @@
 plot of speedup over FIFO."""
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
+import os
 from typing import Sequence
 
 from prophet_tf import extras
@@ -10,7 +13,8 @@ from prophet_tf.bench import simulate as simulate_lib
 from prophet_tf.bench import simulate_ring
 from prophet_tf.engine import schedulers as schedulers_lib
 
-__all__ = ["parse_spec", "simulate_spec", "sweep", "plot_sweep"]
+__all__ = ["parse_spec", "simulate_spec", "simulate_specs", "default_processes", "sweep",
+           "plot_sweep"]
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
@@ -37,22 +41,59 @@ def simulate_spec(profile: dict, name: str, options: dict, workers: int, num_ps:
                                  scheduler_options=options, **kwargs)
 
 
+def default_processes() -> int:
+    """The cores this process may run on: how many simulations run at once by default."""
+    return len(os.sched_getaffinity(0))
+
+
+def _simulate_job(job: dict) -> dict:
+    return simulate_spec(**job)
+
+
+def simulate_specs(jobs: Sequence[dict], processes: int = 1) -> list[dict]:
+    """:func:`simulate_spec` of every job (its keyword arguments), in job order.
+
+    A simulation is one CPU-bound Python process and the jobs are independent:
+    with ``processes`` > 1 they run in that many forked processes, the largest
+    clusters (workers x PS tasks) first so that the last to start are the
+    shortest. Each result is the one a single process gives, to the bit (a
+    simulation reads no clock and no shared state).
+    """
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1. Received: {processes!r}")
+    if processes == 1 or len(jobs) < 2:
+        return [_simulate_job(job) for job in jobs]
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i]["workers"] * jobs[i]["num_ps"])
+    # forkserver, not fork: the caller may hold threads (TensorFlow's, in a test
+    # process), which a forked child would inherit mid-lock. The simulator
+    # imports in a quarter of a second.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with concurrent.futures.ProcessPoolExecutor(min(processes, len(jobs)),
+                                                mp_context=context) as pool:
+        futures = {i: pool.submit(_simulate_job, jobs[i]) for i in order}
+        return [futures[i].result() for i in range(len(jobs))]
+
+
 def sweep(profile: dict, schedulers: Sequence[str], workers: Sequence[int],
           bandwidths_mbit: Sequence[float], num_ps: int | None = None,
-          layout: str = "dedicated", **kwargs) -> list[dict]:
+          layout: str = "dedicated", processes: int = 1, **kwargs) -> list[dict]:
     """:func:`simulate_spec` over a grid; ``num_ps`` None = one PS per 4 workers (at least 1)
     when dedicated, one per worker when colocated. ``schedulers``: specs as
-    ``--schedulers`` takes them (``"p3:slice_bytes=N"``), which name the rows."""
+    ``--schedulers`` takes them (``"p3:slice_bytes=N"``), which name the rows.
+    ``processes``: as in :func:`simulate_specs`."""
     parsed = {spec: parse_spec(spec) for spec in schedulers}
-    rows = []
+    rows, jobs = [], []
     for w in workers:
         ps = num_ps or (w if layout == "colocated" else max(1, w // 4))
         for bw in bandwidths_mbit:
             for spec, (name, options) in parsed.items():
-                r = simulate_spec(profile, name, options, w, ps, bw, layout=layout, **kwargs)
-                rows.append({"workers": w, "ps": ps, "bandwidth_mbit": bw, "scheduler": spec,
-                             "step_time_s": r["step_time_s"],
-                             "ideal_step_time_s": r["ideal_step_time_s"]})
+                rows.append({"workers": w, "ps": ps, "bandwidth_mbit": bw, "scheduler": spec})
+                jobs.append(dict(profile=profile, name=name, options=options, workers=w,
+                                 num_ps=ps, bandwidth_mbit=bw, layout=layout, **kwargs))
+    for row, r in zip(rows, simulate_specs(jobs, processes)):
+        row["step_time_s"] = r["step_time_s"]
+        row["ideal_step_time_s"] = r["ideal_step_time_s"]
     return rows
 
 

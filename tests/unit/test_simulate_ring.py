@@ -205,6 +205,9 @@ def test_a_colocated_sweep_puts_a_ps_task_on_every_worker_host(tmp_path, capsys)
     with pytest.raises(SystemExit):
         simulate_cli.main(["--sweep", "--sweep-workers", "2,0"])
     assert "Received: '2,0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        simulate_cli.main(["--jobs", "0"])
+    assert "--jobs takes a positive count. Received: 0" in capsys.readouterr().err
 
 
 def test_a_sweep_without_fifo_has_no_speedup_and_refuses_the_fifo_plot(tmp_path, capsys):
@@ -221,3 +224,14 @@ def test_a_sweep_without_fifo_has_no_speedup_and_refuses_the_fifo_plot(tmp_path,
     assert code != 0
     assert "must name fifo. Received: --schedulers p3" in capsys.readouterr().err
     assert not (tmp_path / "s.png").exists()
+
+
+def test_a_sweep_in_two_processes_gives_the_rows_of_one():
+    """The cells run in child processes, the largest cluster first; the rows
+    come back in the grid's order with the values of a single process."""
+    args = (TOY, ["fifo", "prophet", "tf-mwms"], [3, 2], [100, 400])
+    alone = simulate_sweep.sweep(*args, layout="colocated")
+    assert simulate_sweep.sweep(*args, layout="colocated", processes=2) == alone
+    assert [(r["workers"], r["bandwidth_mbit"]) for r in alone[:6:3]] == [(3, 100), (3, 400)]
+    with pytest.raises(ValueError, match="processes must be at least 1. Received: 0"):
+        simulate_sweep.simulate_specs([{}, {}], 0)

@@ -12,6 +12,7 @@ from prophet_tf import extras
 from prophet_tf.bench import simulate as simulate_lib
 from prophet_tf.bench import simulate_ring
 from prophet_tf.engine import schedulers as schedulers_lib
+from prophet_tf.tools import _die_with_parent
 
 __all__ = ["parse_spec", "simulate_spec", "simulate_specs", "default_processes", "sweep",
            "plot_sweep"]
@@ -64,13 +65,13 @@ def simulate_specs(jobs: Sequence[dict], processes: int = 1) -> list[dict]:
     if processes == 1 or len(jobs) < 2:
         return [_simulate_job(job) for job in jobs]
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i]["workers"] * jobs[i]["num_ps"])
-    # forkserver, not fork: the caller may hold threads (TensorFlow's, in a test
-    # process), which a forked child would inherit mid-lock. The simulator
-    # imports in a quarter of a second.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
-    with concurrent.futures.ProcessPoolExecutor(min(processes, len(jobs)),
-                                                mp_context=context) as pool:
+    # spawn, not fork: the caller may hold threads (TensorFlow's, in a test
+    # process), which a forked child would inherit mid-lock; and the children
+    # are the caller's own, so they end with it (the simulator imports in a
+    # quarter of a second).
+    with concurrent.futures.ProcessPoolExecutor(
+            min(processes, len(jobs)), mp_context=multiprocessing.get_context("spawn"),
+            initializer=_die_with_parent.die_with, initargs=(os.getpid(),)) as pool:
         futures = {i: pool.submit(_simulate_job, jobs[i]) for i in order}
         return [futures[i].result() for i in range(len(jobs))]
 

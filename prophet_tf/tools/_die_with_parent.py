@@ -17,16 +17,22 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) < 2 or not argv[0].isdigit():
-        sys.exit("usage: python -m prophet_tf.tools._die_with_parent PARENT_PID CMD [ARGS...]. "
-                 f"Received: {argv!r}")
-    parent_pid, command = int(argv[0]), argv[1:]
+def die_with(parent_pid: int) -> None:
+    """This process gets SIGTERM when its parent, ``parent_pid``, ends (and
+    ends now if it already has). Also a process pool's initializer."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
         sys.exit(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
     if os.getppid() != parent_pid:  # The parent died before prctl took effect.
         os._exit(128 + signal.SIGTERM)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2 or not argv[0].isdigit():
+        sys.exit("usage: python -m prophet_tf.tools._die_with_parent PARENT_PID CMD [ARGS...]. "
+                 f"Received: {argv!r}")
+    parent_pid, command = int(argv[0]), argv[1:]
+    die_with(parent_pid)
     try:
         os.execvp(command[0], command)
     except OSError as e:  # The shell's codes: 127 not found, 126 not executable.

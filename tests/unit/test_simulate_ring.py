@@ -2,6 +2,9 @@
 number, and its predictions of the bench's recorded tf-mwms runs."""
 import json
 import pathlib
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -235,3 +238,47 @@ def test_a_sweep_in_two_processes_gives_the_rows_of_one():
     assert [(r["workers"], r["bandwidth_mbit"]) for r in alone[:6:3]] == [(3, 100), (3, 400)]
     with pytest.raises(ValueError, match="processes must be at least 1. Received: 0"):
         simulate_sweep.simulate_specs([{}, {}], 0)
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return {int(c) for c in f.read().split()}
+    except FileNotFoundError:
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie has no memory map: it has ended
+        with open(f"/proc/{pid}/statm") as f:
+            return f.read().split()[0] != "0"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_simulation_processes_end_with_the_command(tmp_path):
+    """A `prophet-tf simulate` killed mid-run leaves no simulation running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prophet_tf.bench.simulate_cli", "--model", "resnet50",
+         "--workers", "32", "--jobs", "2", "--schedulers", "fifo,p3"],  # 20 s or more each
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        pool = set()
+        while time.monotonic() < deadline:  # the pool's two processes
+            pool = {c for c in _children(proc.pid)
+                    if b"multiprocessing" in open(f"/proc/{c}/cmdline", "rb").read()
+                    and b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()}
+            if len(pool) == 2:
+                break
+            time.sleep(0.1)
+        assert len(pool) == 2, pool
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10  # not their simulations' end
+        while time.monotonic() < deadline and any(map(_alive, pool)):
+            time.sleep(0.1)
+        assert not any(map(_alive, pool)), [p for p in pool if _alive(p)]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

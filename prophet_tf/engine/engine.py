@@ -168,7 +168,8 @@ class Engine:
         whole = optimizer_policy.needs_whole_variables(
             optimizer_policy.parse_config(optimizer_config))
         self._dispatch = dispatch = Dispatch([v.native_key for v in variables], specs,
-                                             self.config.num_ps, scheduler, balance=not whole)
+                                             self.config.num_ps, scheduler, balance=not whole,
+                                             num_workers=self.config.num_workers)
         self._recorder = timeline_lib.Recorder(
             self.worker_id, {k: v.name for k, v in zip(dispatch.native_keys, specs)}) \
             if self.timeline else None

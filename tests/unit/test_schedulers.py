@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import types
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -482,6 +484,34 @@ def test_prophet_cuts_a_fortieth_of_each_ps_tasks_share_from_p3s_slice_to_4_mib(
         scheduler = schedulers.make_scheduler(name)
         assert (scheduler.partition_bytes_for(10**9, 1) == scheduler.partition_bytes_for(10, 8)
                 == (scheduler.partition_bytes or schedulers.DEFAULT_PARTITION_BYTES))
+
+
+@pytest.mark.parametrize("options, workers, blocks", [
+    ({}, 2, 2), ({}, 15, 2), ({}, 16, 1), ({}, 128, 1),
+    ({"blocks_in_flight": 2}, 128, 2),  # the option as given, at any size
+    ({"blocks_in_flight": 3}, 2, 3),
+])
+def test_prophets_window_is_one_block_from_16_workers_unless_the_option_says(
+        options, workers, blocks):
+    """The dispatch sizes the window by the cluster's workers before making it:
+    as many blocks start on an idle link as the window holds."""
+    from prophet_tf.engine.dispatch import Dispatch
+    specs = [types.SimpleNamespace(key=k, shape=[25_000], dtype="float32", priority=k)
+             for k in range(20)]
+    d = Dispatch(list(range(20)), specs, 1, schedulers.make_scheduler("prophet", **options),
+                 num_workers=workers)
+    assert (d.scheduler.window_blocks, d.scheduler.window_bytes) == (blocks, blocks * 512 * 1024)
+    assert d.scheduler.blocks_in_flight == blocks  # what the bench records
+    for k in range(20):
+        d.add(k, 0, 0)
+    assert len(d.next_blocks(0)) == blocks
+    assert d.windows[0].blocks == blocks and not d.windows[0].open
+    # The other schedulers' windows do not depend on the workers.
+    for name in ("fifo", "p3", "bytescheduler"):
+        alone, many = schedulers.make_scheduler(name), schedulers.make_scheduler(name)
+        many.size_window(workers)
+        assert (alone.window_blocks, alone.window_bytes) == (many.window_blocks,
+                                                             many.window_bytes)
 
 
 @pytest.mark.parametrize("name, options, match", [

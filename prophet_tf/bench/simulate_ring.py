@@ -7,13 +7,16 @@ The bench's peer (``prophet_tf/bench/worker.py --framework tf-mwms``: tf_keras,
 ``CommunicationOptions(implementation=RING)``) takes each step as TensorFlow
 2.21 runs it:
 
-- forward, then backward; no gradient leaves before the last one is ready:
-  tf_keras's optimizer all-reduces the list of gradients in one call, and the
-  collective all-reduce concatenates each pack of them into one tensor first;
+- forward, then backward; tf_keras's optimizer all-reduces the list of
+  gradients in one call, and the collective all-reduce concatenates each pack
+  of them into one tensor first, so a pack leaves once its last gradient is
+  ready (the graph runs by data flow: TensorFlow reverses the list "so as to
+  overlap calculation with communication");
 - packs (:func:`packs`): the gradients, last variable first, cut into packs
   of at least ``bytes_per_pack`` bytes (``CommunicationOptions(bytes_per_pack)``);
-  its default, 0, makes one pack of them all. The packs are all-reduced one
-  after another, in order (each waits for the strategy's ordering token);
+  its default, 0, makes one pack of them all, which waits for every gradient.
+  The packs are all-reduced one after another, in order (each waits for the
+  strategy's ordering token), each once its gradients are ready;
 - a pack's all-reduce is TensorFlow's ring over the W workers (its
   RingReducer): the pack cut into W chunks, each into S subdivisions (S = 2
   where a chunk would exceed 4 MiB, :func:`subdivisions`), and 2(W-1) steps,
@@ -186,16 +189,18 @@ def simulate_ring(profile: dict, workers: int, num_ps: int, bandwidth_mbit: floa
                          f"warmup={warmup}")
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
     variables = profile["variables"]
-    ready = (sum(models.variable_forward_s(profile))
-             + max(v["backward_ready_s"] for v in variables)) * scale
+    forward = sum(models.variable_forward_s(profile))
+    ready_at = [(forward + v["backward_ready_s"]) * scale for v in variables]
+    ready = max(ready_at)
     rate = ideal_lib.payload_bytes_per_s(bandwidth_mbit, framing)
     rate = None if rate is None else rate * link_efficiency
     sent, received = [0] * workers, [0] * workers
-    now, timeline, made = ready, [], []
+    now, timeline, made = 0.0, [], []
     for index, pack in enumerate(packs(profile, bytes_per_pack)):
         pack_bytes = sum(variables[i]["nbytes"] for i in pack)
+        now = max(now, max(ready_at[i] for i in pack))  # its gradients, and the pack before
         steps = ring_steps(pack_bytes, workers)
-        made.append({"variables": len(pack), "bytes": pack_bytes,
+        made.append({"variables": len(pack), "bytes": pack_bytes, "start_s": now,
                      "subdivisions": subdivisions(pack_bytes, workers), "steps": len(steps)})
         for transfers in steps:
             up, down = [0] * workers, [0] * workers
@@ -232,12 +237,15 @@ def _predict(config: dict, spec: str, profile: dict | None, link_efficiency: flo
         profile = saved_profiles.resolve(config["profile"])
     if profile is None:
         raise ValueError("the bench JSON names no profile; give one (--model)")
+    # The pack size the run used: its spec's, else the one the bench chose
+    # (config "tf_mwms", since 2026-12-05), else TensorFlow's default.
+    options = {**(config.get("tf_mwms") or {}), **(parse_spec(spec) or {})}
     return simulate_ring(
         profile, config["workers"], config["ps"], config.get("link_mbit", config["bandwidth_mbit"]),
         latency_ms=config.get("link_latency_ms", config.get("latency_ms", 0.0)),
         layout=config.get("layout", "dedicated"),
         framing=config.get("ideal", {}).get("framing", 1.0),
-        link_efficiency=link_efficiency, **(parse_spec(spec) or {}))["step_time_s"]
+        link_efficiency=link_efficiency, **options)["step_time_s"]
 
 
 def fit_link_efficiency(runs: list[tuple[dict, dict]], profile: dict | None = None) -> float:

@@ -64,17 +64,42 @@ def test_step_time_grows_with_the_bytes_at_a_fixed_bandwidth():
 
 
 @pytest.mark.parametrize("bytes_per_pack", [0, 100_000])
-def test_the_all_reduce_starts_after_the_last_gradient_and_packs_go_one_by_one(bytes_per_pack):
+def test_a_pack_starts_once_its_gradients_are_ready_and_packs_go_one_by_one(bytes_per_pack):
     r = simulate_ring.simulate_ring(TOY, 3, 3, 100, latency_ms=1.0, bytes_per_pack=bytes_per_pack)
     forward = TOY["forward_s"]
-    last_gradient = forward + max(v["backward_ready_s"] for v in TOY["variables"])
-    assert r["gradients_ready_s"] == pytest.approx(last_gradient)
+    ready = [forward + v["backward_ready_s"] for v in TOY["variables"]]
+    assert r["gradients_ready_s"] == pytest.approx(max(ready))
     steps = r["timeline"]
-    assert steps[0]["start_s"] == pytest.approx(last_gradient)  # not at the first gradient
-    assert all(b["start_s"] == a["end_s"] for a, b in zip(steps, steps[1:]))
+    packs = simulate_ring.packs(TOY, bytes_per_pack)
+    assert [p["start_s"] for p in r["packs"]] == [
+        s["start_s"] for s in steps if s is next(t for t in steps if t["pack"] == s["pack"])]
+    end = 0.0
+    for pack, made in zip(packs, r["packs"]):
+        # Its last gradient, or the pack before it, whichever is later.
+        assert made["start_s"] == pytest.approx(max(end, max(ready[i] for i in pack)))
+        end = [s for s in steps if s["pack"] == packs.index(pack)][-1]["end_s"]
+    if bytes_per_pack:  # the first pack (the last variables) leaves during backprop
+        assert len(packs) == 3 and r["packs"][0]["start_s"] < max(ready)
+    else:
+        assert steps[0]["start_s"] == pytest.approx(max(ready))  # not at the first gradient
+    within = [(a, b) for a, b in zip(steps, steps[1:]) if a["pack"] == b["pack"]]
+    assert all(b["start_s"] == a["end_s"] for a, b in within)
     assert [s["pack"] for s in steps] == sorted(s["pack"] for s in steps)
     assert r["step_time_s"] == steps[-1]["end_s"]  # the apply takes no time
     assert len(steps) == len(r["packs"]) * 2 * (3 - 1)
+
+
+def test_the_pack_sizes_the_bench_measured_are_predicted_within_10_percent():
+    """The 2026-12-05 run measured tf-mwms with four pack sizes (one run each):
+    smaller packs were faster, as their all-reduces overlap backprop."""
+    config = json.loads((BENCHMARKS / "bench-colocated-2026-12-05.json").read_text())["config"]
+    measured = {s["bytes_per_pack"]: s["step_time_s"] for s in config["tf_mwms_search"]}
+    predicted = {n: simulate_ring.validate_row(
+        config, {"scheduler": f"tf-mwms:bytes_per_pack={n}", "step_time_s": t})["predicted_s"]
+        for n, t in measured.items()}
+    for n in measured:
+        assert abs(predicted[n] / measured[n] - 1) < 0.10, (n, predicted[n], measured[n])
+    assert predicted[1 << 20] < predicted[0] == predicted[16 << 20]  # 16 MiB: one pack
 
 
 def test_packs_and_subdivisions_follow_tensorflow():
@@ -152,7 +177,8 @@ def test_a_sweep_has_a_tf_mwms_row_per_cell():
         assert r["step_time_s"] == alone["step_time_s"]
 
 
-@pytest.mark.parametrize("run", ["bench-colocated.json", "bench-colocated-w3.json"])
+@pytest.mark.parametrize("run", ["bench-colocated.json", "bench-colocated-w3.json",
+                                 "bench-colocated-2026-12-05.json"])
 def test_validate_predicts_the_recorded_tf_mwms_runs_within_10_percent(run):
     """Two and three workers, neither of them among the runs the link efficiency
     was fitted on."""

@@ -159,29 +159,34 @@ class ActiveLinks:
     links that might start a block, not every link, and picks the same one.
     """
 
-    __slots__ = ("_rank", "_awake")
+    __slots__ = ("_rank", "_awake", "_is_awake")
 
     def __init__(self):
         self._rank: dict[int, int] = {}  # link -> when it first had an item
         self._awake: list[int] = []  # by rank
+        self._is_awake: set[int] = set()  # the same links: a test per add, not a scan
 
     def wake(self, link: int) -> None:
-        rank = self._rank.get(link)
-        if rank is None:
+        if link in self._is_awake:
+            return
+        self._is_awake.add(link)
+        if link not in self._rank:
             self._rank[link] = len(self._rank)
             self._awake.append(link)  # the last rank
-        elif link not in self._awake:
+        else:
             bisect.insort(self._awake, link, key=self._rank.__getitem__)
 
     def wake_known(self, link: int) -> None:
-        if link in self._rank and link not in self._awake:
-            bisect.insort(self._awake, link, key=self._rank.__getitem__)
+        if link in self._rank:
+            self.wake(link)
 
     def wake_all(self) -> None:
         self._awake = list(self._rank)
+        self._is_awake = set(self._rank)
 
     def sleep(self, link: int) -> None:
         self._awake.remove(link)
+        self._is_awake.remove(link)
 
     def __iter__(self):
         return iter(self._awake.copy())  # a scan may put links to sleep

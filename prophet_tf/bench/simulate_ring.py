@@ -163,7 +163,7 @@ def simulate_ring(profile: dict, workers: int, num_ps: int, bandwidth_mbit: floa
       ``simulate.simulate``'s keys (``scheduler`` ``"tf-mwms"``, ``step_time_s``,
       ``step_times_s``, ``ideal_step_time_s``, ``ideal``, ...) and
       ``gradients_ready_s`` (the last gradient, from the step's start),
-      ``packs`` (each one's variables, bytes, subdivisions and steps),
+      ``packs`` (each one's variables, bytes, start, subdivisions and steps),
       ``timeline`` (each ring step's pack, start and end in the step) and
       ``link_bytes_per_step`` (per host, bytes ``sent`` and ``received``).
 

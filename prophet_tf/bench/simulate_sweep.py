@@ -55,7 +55,7 @@ def simulate_specs(jobs: Sequence[dict], processes: int = 1) -> list[dict]:
     """:func:`simulate_spec` of every job (its keyword arguments), in job order.
 
     A simulation is one CPU-bound Python process and the jobs are independent:
-    with ``processes`` > 1 they run in that many forked processes, the largest
+    with ``processes`` > 1 they run in that many processes of their own, the largest
     clusters (workers x PS tasks) first so that the last to start are the
     shortest. Each result is the one a single process gives, to the bit (a
     simulation reads no clock and no shared state).

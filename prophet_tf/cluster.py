@@ -194,6 +194,12 @@ def address_host(address: str) -> str:
     return address.rpartition(":")[0]
 
 
+def local_ps(config: "ClusterConfig") -> list[int]:
+    """The PS tasks on this worker's host (by address), in task order."""
+    host = address_host(config.workers[config.task_index])
+    return [i for i, a in enumerate(config.ps) if address_host(a) == host]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port of `host` that nothing listens on now (the OS picks it: bind to port 0).
 

@@ -85,7 +85,8 @@ def bench_result(args, names: list[str], runs: dict[str, list[dict]], profile: d
     config = {"model": args.model, "workers": args.workers, "ps": args.ps,
               "layout": args.layout,
               "scheduler_settings": {n: scheduler_settings(n, profile, args.ps,
-                                                           options.get(n), args.workers)
+                                                           options.get(n), args.workers,
+                                                           args.layout == "colocated")
                                      for n in names if n != "tf-mwms"},
               "bytescheduler_search": search,
               "tf_mwms": options.get("tf-mwms"), "tf_mwms_search": pack_search,
@@ -129,7 +130,8 @@ def bench_result(args, names: list[str], runs: dict[str, list[dict]], profile: d
 
 
 def scheduler_settings(name: str, profile: dict, num_ps: int,
-                       options: dict | None = None, num_workers: int = 1) -> dict:
+                       options: dict | None = None, num_workers: int = 1,
+                       ps_on_host: bool = True) -> dict:
     """What a scheduler runs with in this configuration: its options, the
     partition size the workers declare, the partitions it cuts (how many, the
     largest) and its in-flight window per link."""
@@ -139,7 +141,7 @@ def scheduler_settings(name: str, profile: dict, num_ps: int,
     scheduler = schedulers_lib.make_scheduler(name.partition(":")[0], **(options or {}))
     specs = simulate.specs_of(profile)
     dispatch = Dispatch([s.key for s in specs], specs, num_ps, scheduler,
-                        num_workers=num_workers)
+                        num_workers=num_workers, ps_on_host=ps_on_host)
     options = {k: getattr(scheduler, k) for k in scheduler.OPTIONS}
     return {**options, "partition_bytes": dispatch.partition_bytes,
             "partitions": len(dispatch.partitions),

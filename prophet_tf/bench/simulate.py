@@ -409,7 +409,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
     simulated, finished = [], []
     for index in range(network.simulated):
         s = schedulers_lib.make_scheduler(scheduler, **(scheduler_options or {}))
-        dispatch = Dispatch([spec.key for spec in specs], specs, num_ps, s, num_workers=workers)
+        dispatch = Dispatch([spec.key for spec in specs], specs, num_ps, s, num_workers=workers,
+                            ps_on_host=bool(network.local_ps(index, num_ps)))
         simulated.append(_Worker(sim, profile, dispatch, num_ps, iterations, scale,
                                  latency_ms / 1e3, rpc_overhead_s, network, servers, index,
                                  rpc_per_byte_s, finished, answers_first))

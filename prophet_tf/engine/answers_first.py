@@ -51,7 +51,7 @@ class AnswersFirst:
                  stop: threading.Event, max_wait_s: float):
         host_of = cluster_lib.address_host
         host = host_of(config.workers[config.task_index])
-        self.local_ps = [i for i, a in enumerate(config.ps) if host_of(a) == host]
+        self.local_ps = cluster_lib.local_ps(config)
         self.other_workers = [w for w, a in enumerate(config.workers) if host_of(a) != host]
         self._clients = [clients[i] for i in self.local_ps]
         self._stop = stop

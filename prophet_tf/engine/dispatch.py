@@ -15,7 +15,8 @@ The window: a block counts against its link's window from the moment
 `next_blocks` hands it out until `on_sent`. Each scheduler sizes it
 (``window_blocks``, ``window_bytes``): every scheduler two blocks per link
 (one on the wire, one queued behind it); bytescheduler also its credit in
-bytes, prophet two ``BLOCK_BYTES`` (one from 16 workers: ``size_window``).
+bytes, prophet two ``BLOCK_BYTES`` (one from 16 workers with the PS tasks on
+hosts of their own: ``size_window``).
 Nothing else limits what is in flight:
 the engine sends every block it is handed at once.
 """
@@ -42,15 +43,17 @@ class Dispatch:
       balance: with several PS tasks, spread the model's bytes evenly over
         them (``sharding.plan``'s spread rule); off for optimizers that need
         whole variables.
-      num_workers: the workers of the cluster, each pushing to every PS
-        link: the scheduler sizes its window by them (``size_window``).
+      num_workers, ps_on_host: the workers of the cluster, each pushing to
+        every PS link, and whether a PS task runs on this worker's host: the
+        scheduler sizes its window by them (``size_window``).
 
     Raises:
       ValueError: keys and specs differ in number, or a key repeats.
     """
 
     def __init__(self, native_keys: Sequence[int], specs: Sequence, num_ps: int,
-                 scheduler: schedulers.Scheduler, balance: bool = True, num_workers: int = 1):
+                 scheduler: schedulers.Scheduler, balance: bool = True, num_workers: int = 1,
+                 ps_on_host: bool = True):
         if len(native_keys) != len(specs):
             raise ValueError(f"every trained variable needs one native key. Received: "
                              f"{len(native_keys)} keys for {len(specs)} specs")
@@ -72,7 +75,7 @@ class Dispatch:
                                     key=lambda p: (self.specs[p.key].priority, p.partition))
                              for i in range(num_ps)]
         #: The one in-flight window of each link, sized by the scheduler.
-        scheduler.size_window(num_workers)
+        scheduler.size_window(num_workers, ps_on_host)
         self.windows = schedulers.Windows(scheduler.window_blocks, scheduler.window_bytes)
         scheduler.bind_windows(self.windows)
         #: The latest training iteration a gradient arrived for.

@@ -169,7 +169,8 @@ class Engine:
             optimizer_policy.parse_config(optimizer_config))
         self._dispatch = dispatch = Dispatch([v.native_key for v in variables], specs,
                                              self.config.num_ps, scheduler, balance=not whole,
-                                             num_workers=self.config.num_workers)
+                                             num_workers=self.config.num_workers,
+                                             ps_on_host=bool(cluster_lib.local_ps(self.config)))
         self._recorder = timeline_lib.Recorder(
             self.worker_id, {k: v.name for k, v in zip(dispatch.native_keys, specs)}) \
             if self.timeline else None

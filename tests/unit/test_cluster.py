@@ -179,3 +179,11 @@ def test_tfjob_shapes_prophet_tf_cannot_use(bad, fragment):
     with pytest.raises(ValueError, match="Received") as info:
         cluster_lib.resolve(bad)
     assert fragment in str(info.value)
+
+
+def test_local_ps_are_the_ps_tasks_on_the_workers_host():
+    spec = {"worker": ["10.0.0.1:1001", "10.0.0.2:1001", "10.0.0.3:1001"],
+            "ps": ["10.0.0.2:2001", "10.0.0.9:2001", "10.0.0.2:2002"]}
+    local = [cluster_lib.local_ps(cluster_lib.resolve(
+        {"cluster": spec, "task": {"type": "worker", "index": i}})) for i in range(3)]
+    assert local == [[], [0, 2], []]

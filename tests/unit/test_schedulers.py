@@ -486,20 +486,21 @@ def test_prophet_cuts_a_fortieth_of_each_ps_tasks_share_from_p3s_slice_to_4_mib(
                 == (scheduler.partition_bytes or schedulers.DEFAULT_PARTITION_BYTES))
 
 
-@pytest.mark.parametrize("options, workers, blocks", [
-    ({}, 2, 2), ({}, 15, 2), ({}, 16, 1), ({}, 128, 1),
-    ({"blocks_in_flight": 2}, 128, 2),  # the option as given, at any size
-    ({"blocks_in_flight": 3}, 2, 3),
+@pytest.mark.parametrize("options, workers, ps_on_host, blocks", [
+    ({}, 2, False, 2), ({}, 15, False, 2), ({}, 16, False, 1), ({}, 128, False, 1),
+    ({}, 128, True, 2),  # a PS task on the worker's host: two blocks at any size
+    ({"blocks_in_flight": 2}, 128, False, 2),  # the option as given
+    ({"blocks_in_flight": 3}, 2, True, 3),
 ])
-def test_prophets_window_is_one_block_from_16_workers_unless_the_option_says(
-        options, workers, blocks):
-    """The dispatch sizes the window by the cluster's workers before making it:
-    as many blocks start on an idle link as the window holds."""
+def test_prophets_window_is_one_block_from_16_workers_on_hosts_without_a_ps_task(
+        options, workers, ps_on_host, blocks):
+    """The dispatch sizes the window by the cluster before making it: as many
+    blocks start on an idle link as the window holds."""
     from prophet_tf.engine.dispatch import Dispatch
     specs = [types.SimpleNamespace(key=k, shape=[25_000], dtype="float32", priority=k)
              for k in range(20)]
     d = Dispatch(list(range(20)), specs, 1, schedulers.make_scheduler("prophet", **options),
-                 num_workers=workers)
+                 num_workers=workers, ps_on_host=ps_on_host)
     assert (d.scheduler.window_blocks, d.scheduler.window_bytes) == (blocks, blocks * 512 * 1024)
     assert d.scheduler.blocks_in_flight == blocks  # what the bench records
     for k in range(20):
@@ -509,7 +510,7 @@ def test_prophets_window_is_one_block_from_16_workers_unless_the_option_says(
     # The other schedulers' windows do not depend on the workers.
     for name in ("fifo", "p3", "bytescheduler"):
         alone, many = schedulers.make_scheduler(name), schedulers.make_scheduler(name)
-        many.size_window(workers)
+        many.size_window(workers, ps_on_host)
         assert (alone.window_blocks, alone.window_bytes) == (many.window_blocks,
                                                              many.window_bytes)
 

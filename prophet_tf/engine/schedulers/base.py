@@ -219,10 +219,11 @@ class Scheduler(abc.ABC):
         PS tasks: :attr:`partition_bytes`, else :data:`DEFAULT_PARTITION_BYTES`."""
         return self.partition_bytes or DEFAULT_PARTITION_BYTES
 
-    def size_window(self, num_workers: int) -> None:
+    def size_window(self, num_workers: int, ps_on_host: bool = True) -> None:
         """Sets :attr:`window_blocks` and :attr:`window_bytes` for a cluster
-        of ``num_workers`` workers, each pushing to every PS link (the
-        dispatch calls it before it makes its windows); the base keeps them."""
+        of ``num_workers`` workers, each pushing to every PS link, on a worker
+        whose host runs a PS task (``ps_on_host``) or none (the dispatch calls
+        it before it makes its windows); the base keeps them."""
 
     @property
     def windows(self) -> Windows:

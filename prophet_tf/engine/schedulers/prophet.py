@@ -67,8 +67,8 @@ class ProphetScheduler(PriorityScheduler):
       scheduler, and the PS can apply the first layers while the rest follow).
 
     Window: :attr:`BLOCKS_IN_FLIGHT` = 2 blocks and as many BLOCK_BYTES per
-    link, one block from :attr:`SHARED_LINK_WORKERS` workers (option
-    ``blocks_in_flight``); a gap block must also fit its gap
+    link, one block from :attr:`SHARED_LINK_WORKERS` workers when the PS
+    tasks have hosts of their own (option ``blocks_in_flight``); a gap block must also fit its gap
     budget, which counts the bytes already in flight. A block holds its place
     in the window until the PS has answered, so a link stays busy only if
     the window covers what it carries during one answer's delay (the PS's
@@ -129,17 +129,21 @@ class ProphetScheduler(PriorityScheduler):
     #: The default window: two blocks in flight per link (one on the wire, one
     #: queued behind it), of at most BLOCK_BYTES each unless one item is larger.
     BLOCKS_IN_FLIGHT = 2
-    #: From this many workers, one block in flight per link by default: every
-    #: worker pushes to every PS link, and the others' blocks keep a link busy
-    #: while one worker's answer is on its way back, so a second block of each
-    #: only queues ahead of the others' more urgent ones. Simulated on ResNet-50
-    #: with PS hosts of their own (docs/records/2026-12-06-window-by-workers.md):
-    #: 128 workers 1.29-1.31x the ideal bound with two blocks, 1.17-1.18x with
-    #: one; 16-64 workers 0.01-0.07 closer; up to 8 workers the same.
+    #: From this many workers, with the PS tasks on hosts of their own, one
+    #: block in flight per link by default: every worker pushes to every PS
+    #: link, the others' blocks keep it busy while one worker's answer is on
+    #: its way back, and a second block of each only queues ahead of the
+    #: others' more urgent ones. Simulated on ResNet-50
+    #: (docs/records/2026-12-06-window-by-workers.md): dedicated PS hosts, 128
+    #: workers 1.29-1.31x the ideal bound with two blocks, 1.17-1.18x with
+    #: one, 16-64 workers 0.00-0.07 closer, up to 8 the same; a PS task on
+    #: every worker host, one block was 0.02-0.08 slower at 64 workers at 1, 5
+    #: and 10 Gbit/s, so there two blocks stay.
     SHARED_LINK_WORKERS = 16
     #: ``partition_bytes``: the partition size the workers declare (None: a
     #: fortieth of a PS task's share, from 200 KB to 4 MiB). ``blocks_in_flight``
-    #: (None: BLOCKS_IN_FLIGHT, one from SHARED_LINK_WORKERS workers).
+    #: (None: BLOCKS_IN_FLIGHT, one from SHARED_LINK_WORKERS workers on hosts
+    #: without a PS task).
     OPTIONS = {"partition_bytes": None, "blocks_in_flight": None}
 
     def __init__(self, partition_bytes: int | None = None,
@@ -306,12 +310,12 @@ class ProphetScheduler(PriorityScheduler):
         self.blocks_in_flight = self.window_blocks = blocks
         self.window_bytes = blocks * self.BLOCK_BYTES
 
-    def size_window(self, num_workers: int) -> None:
+    def size_window(self, num_workers: int, ps_on_host: bool = True) -> None:
         """The option, else :data:`BLOCKS_IN_FLIGHT` blocks, one from
-        :data:`SHARED_LINK_WORKERS` workers."""
+        :data:`SHARED_LINK_WORKERS` workers on a host without a PS task."""
         if self._blocks_option is None:
-            self._set_window(1 if num_workers >= self.SHARED_LINK_WORKERS
-                             else self.BLOCKS_IN_FLIGHT)
+            one = num_workers >= self.SHARED_LINK_WORKERS and not ps_on_host
+            self._set_window(1 if one else self.BLOCKS_IN_FLIGHT)
 
     def partition_bytes_for(self, model_bytes: int, num_ps: int) -> int:
         """The option, else a :data:`PARTITIONS_PER_PS`-th of a PS task's share,

@@ -68,14 +68,14 @@ class ProphetScheduler(PriorityScheduler):
 
     Window: :attr:`BLOCKS_IN_FLIGHT` = 2 blocks and as many BLOCK_BYTES per
     link, one block from :attr:`SHARED_LINK_WORKERS` workers when the PS
-    tasks have hosts of their own (option ``blocks_in_flight``); a gap block must also fit its gap
-    budget, which counts the bytes already in flight. A block holds its place
-    in the window until the PS has answered, so a link stays busy only if
-    the window covers what it carries during one answer's delay (the PS's
-    work, the answer queued behind the other direction's traffic): on a fast
-    link more blocks in flight pay; on a slow one they gain little, and an
-    urgent block may wait behind every byte in flight (measured in the
-    README, "The in-flight window").
+    tasks have hosts of their own (option ``blocks_in_flight``); a gap block
+    must also fit its gap budget, which counts the bytes already in flight.
+    A block holds its place in the window until the PS has answered, so a
+    link stays busy only if the window covers what it carries during one
+    answer's delay (the PS's work, the answer queued behind the other
+    direction's traffic): on a fast link more blocks in flight pay; on a
+    slow one they gain little, and an urgent block may wait behind every
+    byte in flight (measured in the README, "The in-flight window").
 
     Priority rule: every block is a prefix of its link's ready-and-unsent
     items in :func:`urgency` order. So, once a burst has arrived, no transfer

@@ -7,7 +7,6 @@ the test can check after the launcher returned that none of them is left.
 """
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import time
 import pytest
 
 from cluster import ROOT, launch_env, reap, run_prophet
+from process_helpers import children, kill_leftovers, state, wait_gone
 
 WORKER = textwrap.dedent(r'''
     import json, os, sys, time
@@ -84,53 +84,6 @@ def _launch_argv(*args):
     return [sys.executable, "-m", "prophet_tf", "launch", *args]
 
 
-def _state(pid):
-    """The /proc state letter of `pid`, or None when it no longer exists."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
-    except OSError:
-        return None
-
-
-def _describe(pid):
-    """What a process left running is doing: its command line, and each thread's
-    name, state and the kernel function it waits in."""
-    def read(path):
-        try:
-            return pathlib.Path(path).read_text(errors="replace").strip()
-        except OSError:
-            return "?"
-    threads = [f"{read(f'{t}/comm')} {_state_of(read(f'{t}/stat'))} {read(f'{t}/wchan')}"
-               for t in sorted(pathlib.Path(f"/proc/{pid}/task").glob("*"))]
-    return (f"pid {pid} ({_state(pid)}): {read(f'/proc/{pid}/cmdline').replace(chr(0), ' ')}; "
-            f"threads: {threads}")
-
-
-def _state_of(stat: str) -> str:
-    return stat.rpartition(")")[2].split()[0] if ")" in stat else "?"
-
-
-def _wait_gone(pids, timeout=10.0):
-    """Descriptions (`_describe`) of the pids still running (not exited) after `timeout`;
-    zombies count as gone only when they are not ours to reap (their parent, the
-    launcher, is dead)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [p for p in pids if _state(p) not in (None, "Z")]
-        if not alive or time.monotonic() > deadline:
-            return [_describe(p) for p in alive]
-        time.sleep(0.1)
-
-
-def _kill_leftovers(pids):
-    for pid in pids:
-        if _state(pid) not in (None, "Z"):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def _reports(output):
     return sorted((json.loads(line.split("REPORT ", 1)[1]) for line in output.splitlines()
                    if "REPORT " in line), key=lambda r: r["index"])
@@ -194,7 +147,7 @@ def test_workers_get_own_tf_config_and_serving_ps(worker_script):
     # Siblings seen by the workers = the PS tasks and the other worker: all gone.
     pids = {r["pid"] for r in reports} | {p for r in reports for p in r["siblings"]}
     assert len(pids) >= 4
-    assert _wait_gone(pids, timeout=5) == []
+    assert wait_gone(pids, timeout=5) == []
 
 
 @pytest.mark.timeout(90)
@@ -208,10 +161,10 @@ def test_failing_worker_stops_the_others(worker_script, tmp_path):
         assert "worker 0 exited with code 3" in result.stderr
         assert [r["index"] for r in reports] == [0, 1]
         assert len(pids) >= 3   # two workers and the PS
-        assert _state(reports[1]["pid"]) is None   # the sleeper was stopped and reaped
-        assert _wait_gone(pids, timeout=5) == []
+        assert state(reports[1]["pid"]) is None   # the sleeper was stopped and reaped
+        assert wait_gone(pids, timeout=5) == []
     finally:
-        _kill_leftovers(pids)
+        kill_leftovers(pids)
 
 
 @pytest.mark.timeout(90)
@@ -221,7 +174,7 @@ def test_worker_killed_by_signal_exits_128_plus_n(worker_script):
     assert result.returncode == 128 + signal.SIGKILL, result.stdout + result.stderr
     assert "worker 0 exited with code -9" in result.stderr
     pids = {p for r in _reports(result.stdout) for p in r["siblings"]}
-    assert pids and _wait_gone(pids, timeout=5) == []
+    assert pids and wait_gone(pids, timeout=5) == []
 
 
 @pytest.mark.timeout(90)
@@ -286,23 +239,10 @@ def test_sigterm_stops_everything(worker_script, tmp_path):
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
         assert code != 0 and code in (130, 143), code
-        assert _wait_gone(pids, timeout=5) == [], log.read_text()
+        assert wait_gone(pids, timeout=5) == [], log.read_text()
     finally:
         reap(proc)
-        _kill_leftovers(pids)
-
-
-def _children(pid):
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                out.append(int(entry))
-    return out
+        kill_leftovers(pids)
 
 
 @pytest.mark.timeout(90)
@@ -314,7 +254,7 @@ def test_sigterm_during_startup(worker_script, tmp_path):
     try:
         deadline = time.monotonic() + 30
         while not pids and time.monotonic() < deadline and proc.poll() is None:
-            pids = _children(proc.pid)   # the PS task, still importing TensorFlow
+            pids = children(proc.pid)   # the PS task, still importing TensorFlow
             time.sleep(0.02)
         assert pids, log.read_text()
         time.sleep(0.3)   # its handlers are set: the launcher is waiting for the port file
@@ -323,10 +263,10 @@ def test_sigterm_during_startup(worker_script, tmp_path):
         assert "interrupted while the PS tasks were starting" in log.read_text()
         assert "[worker" not in log.read_text()
         assert not (tmp_path / "up.0").exists()
-        assert _wait_gone(pids, timeout=5) == []
+        assert wait_gone(pids, timeout=5) == []
     finally:
         reap(proc)
-        _kill_leftovers(pids)
+        kill_leftovers(pids)
 
 
 @pytest.mark.timeout(90)
@@ -337,12 +277,12 @@ def test_sigkilled_launcher_leaves_no_orphans(worker_script, tmp_path):
         proc.kill()
         proc.wait(10)
         # The PS shuts down gracefully on SIGTERM (no RPC in flight: quickly).
-        assert _wait_gone(pids, timeout=15) == []
+        assert wait_gone(pids, timeout=15) == []
         # A SIGKILLed launcher cannot remove its temporary directory; it is under tmp_path.
         assert [p.name for p in tmp_path.glob("prophet-tf-launch-*")], list(tmp_path.iterdir())
     finally:
         reap(proc)
-        _kill_leftovers(pids)
+        kill_leftovers(pids)
 
 
 class _DeadTask:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from process_helpers import children, kill_leftovers, wait_gone
 from simulate_helpers import toy_profile
 from prophet_tf.bench import (ideal, saved_profiles, simulate_cli, simulate_network, simulate_ring,
                               simulate_sweep)
@@ -266,33 +267,17 @@ def test_a_sweep_in_two_processes_gives_the_rows_of_one():
         simulate_sweep.simulate_specs([{}, {}], 0)
 
 
-def _children(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return {int(c) for c in f.read().split()}
-    except FileNotFoundError:
-        return set()
-
-
-def _alive(pid: int) -> bool:
-    try:  # a zombie has no memory map: it has ended
-        with open(f"/proc/{pid}/statm") as f:
-            return f.read().split()[0] != "0"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def test_the_simulation_processes_end_with_the_command(tmp_path):
     """A `prophet-tf simulate` killed mid-run leaves no simulation running."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "prophet_tf.bench.simulate_cli", "--model", "resnet50",
          "--workers", "32", "--jobs", "2", "--schedulers", "fifo,p3"],  # 20 s or more each
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pool = set()
     try:
         deadline = time.monotonic() + 60
-        pool = set()
         while time.monotonic() < deadline:  # the pool's two processes
-            pool = {c for c in _children(proc.pid)
+            pool = {c for c in children(proc.pid)
                     if b"multiprocessing" in open(f"/proc/{c}/cmdline", "rb").read()
                     and b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()}
             if len(pool) == 2:
@@ -301,10 +286,8 @@ def test_the_simulation_processes_end_with_the_command(tmp_path):
         assert len(pool) == 2, pool
         proc.kill()
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 10  # not their simulations' end
-        while time.monotonic() < deadline and any(map(_alive, pool)):
-            time.sleep(0.1)
-        assert not any(map(_alive, pool)), [p for p in pool if _alive(p)]
+        assert wait_gone(pool, timeout=10) == []  # not their simulations' end
     finally:
         proc.kill()
         proc.wait(timeout=30)
+        kill_leftovers(pool)

@@ -93,13 +93,13 @@ def _run(args, timeout=120):
     return run_prophet("launch", *args, env=launch_env(), timeout=timeout)
 
 
-def _start(tmp_path, args):
+def _start(tmp_path, args, extra_env=None):
     """Starts the launcher, its output to tmp_path/launch.log; returns (process, log path)."""
     log = tmp_path / "launch.log"
     # The launcher's temporary directory goes under this test's tmp_path (every child's
     # TMPDIR is already off /tmp: conftest.children_tmpdir), so a test that SIGKILLs the
     # launcher can find the directory it leaves.
-    env = dict(launch_env(), TMPDIR=str(tmp_path))
+    env = dict(launch_env(), TMPDIR=str(tmp_path), **(extra_env or {}))
     with open(log, "wb") as f:
         proc = subprocess.Popen(_launch_argv(*args), env=env, cwd=ROOT, stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -245,19 +245,37 @@ def test_sigterm_stops_everything(worker_script, tmp_path):
         kill_leftovers(pids)
 
 
+# Put first on a PS task's PYTHONPATH, this holds the task before it imports anything
+# (Python runs sitecustomize at start-up): the test decides when start-up is "still
+# going", not the machine's speed. Only the PS task is held (its argv has --port-file).
+HOLD_PS = textwrap.dedent(r'''
+    import os, time
+    if b"--port-file" in open("/proc/self/cmdline", "rb").read().split(b"\0"):
+        open(os.environ["HOLD_PS_MARK"], "w").close()
+        time.sleep(60)   # until the launcher stops it (no handler yet: SIGTERM ends it)
+        raise SystemExit(1)
+''')
+
+
 @pytest.mark.timeout(90)
 def test_sigterm_during_startup(worker_script, tmp_path):
     """SIGTERM while the PS is still starting: no worker is started, exit 130."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD_PS)
+    held = tmp_path / "ps-held"
+    env = {"PYTHONPATH": os.pathsep.join([str(hold), str(ROOT)]), "HOLD_PS_MARK": str(held)}
     proc, log = _start(tmp_path, ["--workers", "1", "--ps", "1", "--", sys.executable,
-                                  str(worker_script), "sleep", str(tmp_path / "up")])
+                                  str(worker_script), "sleep", str(tmp_path / "up")], env)
     pids = []
     try:
         deadline = time.monotonic() + 30
-        while not pids and time.monotonic() < deadline and proc.poll() is None:
-            pids = children(proc.pid)   # the PS task, still importing TensorFlow
+        while not held.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.02)
+        assert held.exists(), log.read_text()
+        # The PS is a child, so the launcher's handlers are set (before any task starts).
+        pids = children(proc.pid)
         assert pids, log.read_text()
-        time.sleep(0.3)   # its handlers are set: the launcher is waiting for the port file
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 130, log.read_text()
         assert "interrupted while the PS tasks were starting" in log.read_text()

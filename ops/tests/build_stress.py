@@ -115,6 +115,7 @@ def build(mode: str, force: bool = False) -> pathlib.Path:
     if (not force and out.exists() and stamp.exists() and stamp.read_text() == key
             and all(out.stat().st_mtime > p.stat().st_mtime for p in SOURCES + HEADERS)):
         print(f"{out} is up to date", flush=True)
+        out.touch()  # make's rule then sees it newer than its inputs, and skips this check
         return out
     # Built aside and renamed, so a concurrent build or run never sees half a binary.
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")

@@ -36,10 +36,33 @@ import numpy as np
 
 from prophet_tf.bench import models
 
-__all__ = ["emulated_layers", "build_emulated_model", "emulated_data", "INPUT_WIDTH"]
+__all__ = ["emulated_layers", "build_emulated_model", "emulated_data", "compute_note",
+           "INPUT_WIDTH"]
 
 #: The emulated model's input and every layer's activation: (batch, INPUT_WIDTH).
 INPUT_WIDTH = 1
+
+
+#: A step computing longer than this as run gets a warning in :func:`compute_note`.
+LONG_STEP_S = 60.0
+
+
+def compute_note(model: str, profiled_s: float, compute_ms: float | None,
+                 time_scale: float) -> str:
+    """What a bench run's emulated step computes, for its first lines: at the
+    cluster's scale (``compute_ms``, or the profile's ``profiled_s`` as measured
+    when None) and as run (times ``time_scale``). A saved profile may be a CPU's
+    (ResNet-50's: about 26 s a step): without ``--compute-ms`` a run at a time
+    scale can take many minutes a step, which would look like a hang."""
+    step_s = compute_ms / 1e3 if compute_ms else profiled_s
+    source = (f"--compute-ms {compute_ms:g}" if compute_ms else
+              f"{model}'s profile as measured; --compute-ms sets it")
+    note = (f"emulated compute {step_s * 1e3:.1f} ms per step ({source}), "
+            f"{step_s * time_scale * 1e3:.1f} ms as run at time scale {time_scale:g}")
+    if step_s * time_scale > LONG_STEP_S:
+        note += (f"; WARNING: every step computes for {step_s * time_scale / 60:.1f} min "
+                 f"as run")
+    return note
 
 
 def emulated_layers(profile: dict, scale: float = 1.0) -> list[dict]:

@@ -17,7 +17,7 @@ import time
 
 from prophet_tf import environment, extras
 from prophet_tf.bench import ideal as ideal_lib
-from prophet_tf.bench import link_load, netns, saved_profiles
+from prophet_tf.bench import emulated, link_load, netns, saved_profiles
 from prophet_tf.bench import results as results_lib
 from prophet_tf.bench.results import WARMUP_STEPS
 from prophet_tf.bench.training_run import Cluster, run_once
@@ -54,10 +54,13 @@ def run_bench(args, out=sys.stdout) -> dict:
     profile_record = saved_profiles.reference(args.model)
     if args.compute == "emulated":
         # The emulated model computes exactly its scaled profile.
+        profiled_s = profile["compute_s"]
         args.scale = args.time_scale * (args.compute_ms / 1e3 / profile["compute_s"]
                                         if args.compute_ms else 1.0)
         profile = saved_profiles.scaled_profile(profile, args.scale)
         profile_record = saved_profiles.reference(args.model, args.scale)
+        print("prophet-tf bench: " + emulated.compute_note(
+            args.model, profiled_s, args.compute_ms, args.time_scale), file=out, flush=True)
     link_mbit = args.bandwidth_mbit / args.time_scale
     latency_ms = args.latency_ms * args.time_scale
     network = None

@@ -205,3 +205,19 @@ def test_a_host_counter_interpolates_inside_its_samples_only():
     assert sent.at(-0.1) is None and sent.at(3.1) is None
     assert link_load.Counter(samples, 0, 0).at(0.5) == pytest.approx(5.0)
     assert link_load.Counter([], 0, 1).at(0.0) is None
+
+
+def test_the_emulated_compute_is_stated_and_a_step_of_minutes_is_a_warning():
+    from prophet_tf.bench import emulated, saved_profiles
+
+    profiled_s = saved_profiles.load_profile("resnet50")["compute_s"]
+    # ResNet-50's shipped profile is a CPU's: as profiled, at time scale 24, a step
+    # computes for minutes; the bench says so before its first run.
+    note = emulated.compute_note("resnet50", profiled_s, None, 24)
+    assert f"{profiled_s * 1e3:.1f} ms per step (resnet50's profile as measured" in note
+    assert f"{profiled_s * 24 / 60:.1f} min" in note and "WARNING" in note
+    note = emulated.compute_note("resnet50", profiled_s, 130, 24)
+    assert note == ("emulated compute 130.0 ms per step (--compute-ms 130), 3120.0 ms as run "
+                    "at time scale 24")
+    assert "WARNING" in emulated.compute_note("cnn", 0.04, None, 1501)
+    assert "WARNING" not in emulated.compute_note("cnn", 0.04, None, 1000)

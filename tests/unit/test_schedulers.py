@@ -346,6 +346,24 @@ def test_prophet_blocks_fit_their_budget(workload):
         on_block=prophet_budget_checker([])).run(traces)
 
 
+class _ProphetScanningEveryLink(schedulers.SCHEDULERS["prophet"]):
+    """Prophet looking at every link at every call: what putting links to sleep
+    (until something that can change their answer happens) must not change."""
+
+    def _select(self, now_ns):
+        self._active.wake_all()
+        return super()._select(now_ns)
+
+
+@settings(max_examples=60, deadline=None)
+@given(workload=workloads())
+def test_prophet_skips_only_links_that_cannot_send(workload):
+    grads, traces, bw, latency = workload
+    runs = [Sim(sched, grads, bw, latency_ns=latency).run(traces).blocks
+            for sched in (schedulers.make_scheduler("prophet"), _ProphetScanningEveryLink())]
+    assert runs[0] == runs[1]
+
+
 def test_prophet_plans_the_bursts_and_fills_the_gaps():
     grads, bursts = bursty_model(num_keys=12, per_burst=3, nbytes=200_000)
     traces = bursty_traces(bursts, 12, gap_ns=10 * MS)

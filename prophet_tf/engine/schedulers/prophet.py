@@ -173,6 +173,14 @@ class ProphetScheduler(PriorityScheduler):
     # -- readiness and profiling ------------------------------------------------------
 
     def add(self, item: ReadyItem) -> None:
+        before = (self._iter, self._arrived, self._final, self._plan)
+        self._add(item)
+        after = (self._iter, self._arrived, self._final, self._plan)
+        if any(a is not b for a, b in zip(before, after)):
+            # A new iteration, burst arrival or plan changes every link's answer.
+            self._active.wake_all()
+
+    def _add(self, item: ReadyItem) -> None:
         if self._iter is None or item.iteration > self._iter:
             self._new_iteration(item.iteration)
         super().add(item)
@@ -294,11 +302,16 @@ class ProphetScheduler(PriorityScheduler):
             elif not self.windows[link].blocks:
                 block = self._idle_link_block(heap)  # before the first burst
             else:
-                continue
+                block = None
             if block:
                 return block
+            # No block: none until an add or a sent block of this link, a burst's
+            # arrival, a new iteration or plan (add wakes every link), or a flush.
+            # Time alone changes nothing: a gap budget only shrinks as time passes.
+            active.sleep(link)
         if self._flushing and not self._pending:
             self._flushing = False
+            active.wake_all()
         return []
 
     @property
@@ -388,6 +401,7 @@ class ProphetScheduler(PriorityScheduler):
 
     def flush(self) -> None:
         self._flushing = self._pending > 0
+        self._active.wake_all()
 
     # -- introspection ----------------------------------------------------------------
 

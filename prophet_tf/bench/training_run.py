@@ -167,12 +167,15 @@ def run_once(cluster: Cluster, scheduler: str, args, workdir: str, shape_env: di
     """One training run (``options``: the scheduler's); returns the workers' reports."""
     tag = f"{scheduler}-{time.monotonic_ns()}"
     timelines = os.path.join(args.timeline_dir or workdir, tag)
-    if args.timeline_dir:  # the PS tasks' traces and run.json go there too
+    framework = {"tf-mwms": "tf-mwms", "compute": "local"}.get(scheduler, "prophet")
+    # The PS tasks' traces and run.json go beside the timelines too; a compute
+    # run has no steps and no network to keep.
+    keep_record = bool(args.timeline_dir) and framework != "local"
+    if keep_record:
         os.makedirs(timelines, exist_ok=True)
     launched = time.monotonic()
     logs, procs = [], []
     try:
-        framework = {"tf-mwms": "tf-mwms", "compute": "local"}.get(scheduler, "prophet")
         addresses = []
         if framework == "prophet":
             addresses = _start_ps_tasks(cluster, args, workdir, tag, timelines, shape_env,
@@ -254,7 +257,7 @@ def run_once(cluster: Cluster, scheduler: str, args, workdir: str, shape_env: di
             loads = link_load.link_loads(link_bytes, measured_window(reports, WARMUP_STEPS),
                                          rate)
             phases = link_load.link_phases(link_bytes, reports, host_worker, WARMUP_STEPS, rate)
-        if args.timeline_dir:
+        if keep_record:
             _keep_run_record(timelines, reports, link_bytes, host_worker, rate)
         return {"reports": reports, "cpu_busy": busy, "message_costs": costs,
                 "startup_s": startup, "link_load": loads, "link_phases": phases}

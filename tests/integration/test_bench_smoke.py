@@ -112,7 +112,7 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
     proc = run_prophet(
         "bench", "--model", "cnn", "--workers", "2",
         "--bandwidth-mbit", str(BANDWIDTH_MBIT), "--steps", "9", "--reps", "1",
-        "--compute-reps", "0", "--schedulers", "fifo,prophet", "--json", str(out),
+        "--compute-reps", "1", "--schedulers", "fifo,prophet", "--json", str(out),
         "--timeline-dir", str(tmp_path / "timelines"), env=child_env(), cwd=tmp_path,
         timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -159,6 +159,11 @@ def test_short_bench_writes_complete_json_and_the_network_is_really_shaped(tmp_p
             assert sorted(phases) == ["received", "sent"]
             assert all(len(h) == link_load.PHASE_BINS and all(v >= 0 for v in h)
                        for side in phases.values() for h in side), phases
+    # The compute run profiled the model (its measured profile is the
+    # config's) and kept nothing among the training runs' timelines.
+    assert "variables" in config["profile"] and config["compute_s"] > 0
+    assert sorted(d.name.split("-")[0] for d in (tmp_path / "timelines").iterdir()) == [
+        "fifo", "prophet"]
     # Beside each run's timelines, what places its events in its steps.
     records = sorted((tmp_path / "timelines").glob("*/run.json"))
     assert [p.parent.name.split("-")[0] for p in records] == ["fifo", "prophet"]

@@ -33,7 +33,8 @@ gradient were ready; beside the link load in each tenth of the step, from
 the interface counters the bench keeps in ``run.json`` with the timelines.
 A push ends when the PS's reply arrives, which may wait behind answers in
 the same connection, so the PS's own trace (``ps-<i>.json``, kept by the
-bench too) adds when each sum was complete and each answer handed to gRPC.
+bench too) adds when each sum was complete and each answer handed to gRPC;
+how long before its arrival gRPC took each answer is :func:`answer_leads`.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ import statistics
 from prophet_tf.bench import link_load
 from prophet_tf.bench.results import WARMUP_STEPS
 
-__all__ = ["breakdown", "phase_offsets", "answer_tails", "uplinks", "step_events",
-           "STEP_EVENTS", "main"]
+__all__ = ["breakdown", "phase_offsets", "answer_tails", "answer_leads", "uplinks",
+           "step_events", "STEP_EVENTS", "main"]
 
 
 @functools.lru_cache(maxsize=None)  # each analysis reads the same timelines
@@ -253,6 +254,51 @@ def _ps_events(directory: str) -> dict:
     return out
 
 
+def answer_leads(directory: str, warmup: int = WARMUP_STEPS) -> dict:
+    """How long before an answer (a pulled partition) of a version after
+    ``warmup`` arrived gRPC had taken it from the PS (``answered``: no longer
+    owed), in ms: ``{"same_host", "other_host"}`` -> ``{"count", "median_ms",
+    "p10_ms", "p90_ms"}`` or None (PS i is on worker i % W's host, colocated),
+    and ``unmatched``: answers whose pull names another variable (the i-th
+    answer of a version to a worker is its i-th pull of it: one stream)."""
+    events = _workers(directory)
+    n = len(events)
+    pulls = {}  # (ps, worker, version) -> [(start, end, variable names)]
+    for w, ev in enumerate(events):
+        links = _links(ev)
+        for e in ev:
+            kind = links.get(e.get("tid"))
+            if kind and e.get("cat") == "pull" and e["args"]["version"] > warmup:
+                pulls.setdefault((kind[1], w, e["args"]["version"]), []).append(
+                    (e["ts"], e["ts"] + e["dur"], e["args"]["keys"]))
+    answered = {}
+    for path in glob.glob(os.path.join(directory, "ps-*.json")):
+        with open(path) as f:
+            trace = json.load(f)
+        ps = trace["metadata"]["ps"]
+        for e in trace["traceEvents"]:
+            args = e.get("args", {})
+            if e.get("cat") == "answered" and args["version"] > warmup:
+                answered.setdefault((ps, args["worker"], args["version"]), []).append(
+                    (e["ts"], e["name"].split(" ", 1)[1]))
+    leads = {"same_host": [], "other_host": []}
+    unmatched = 0
+    for at, answers in answered.items():
+        received = sorted(pulls.get(at, ()))
+        for (t, name), (_, end, names) in zip(sorted(answers), received):
+            if names != [name]:
+                unmatched += 1
+                continue
+            leads["same_host" if at[0] % n == at[1] else "other_host"].append((end - t) / 1e3)
+    out = {"unmatched": unmatched}
+    for where, values in leads.items():
+        values.sort()
+        out[where] = {"count": len(values), "median_ms": statistics.median(values),
+                      "p10_ms": values[len(values) // 10],
+                      "p90_ms": values[(len(values) * 9) // 10]} if values else None
+    return out
+
+
 def _first_layer_reads(events: list) -> dict:
     """Step -> (key, name, when its value was in) of the first layer's
     variable in the worker's forward: the lowest key (keys follow the model's
@@ -344,20 +390,23 @@ def step_events(directory: str, bins: int = 10, warmup: int = WARMUP_STEPS) -> d
 
 def main(argv):
     """Prints each run's breakdown; with ``--json OUT`` also writes each run's
-    per-step answer tails and uplinks (:func:`uplinks`) and, where the bench
-    kept ``run.json``, its step events (:func:`step_events`), keyed
+    per-step answer tails and uplinks (:func:`uplinks`), answer leads, phase
+    offsets and, where the bench kept ``run.json``, its step events (:func:`step_events`), keyed
     "<parent directory>/<run directory>", so the figures drawn from timelines
     too large to commit are kept."""
     out = None
     if argv[:1] == ["--json"]:
         out, argv = argv[1], argv[2:]
-    tails, placed, shares = {}, {}, {}
+    tails, placed, shares, leads, offsets = {}, {}, {}, {}, {}
     for pattern in argv:
         for directory in sorted(glob.glob(pattern)):
             path = os.path.normpath(directory)
             run = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
             tails[run] = answer_tails(directory)
             shares[run] = uplinks(directory)
+            leads[run] = answer_leads(directory)
+            offsets[run] = {w: dict(zip(("median_ms", "min_ms", "max_ms"), o))
+                            for w, o in phase_offsets(directory).items()}
             events = step_events(directory)
             if events:
                 placed[run] = events
@@ -366,9 +415,14 @@ def main(argv):
                 print(os.path.basename(path) + ": " + ", ".join(
                     f"{k} {v:.2f}" if k == "push_busy_in_backward" else f"{k} {v:.0f}"
                     for k, v in b.items()))
-            for w, (median, low, high) in phase_offsets(directory).items():
-                print(f"  worker {w} backprop starts {median:+.1f} ms from worker 0's "
-                      f"(median; {low:+.1f} to {high:+.1f})")
+            for w, o in offsets[run].items():
+                print(f"  worker {w} backprop starts {o['median_ms']:+.1f} ms from worker 0's "
+                      f"(median; {o['min_ms']:+.1f} to {o['max_ms']:+.1f})")
+            for where, lead in leads[run].items():
+                if isinstance(lead, dict):
+                    print(f"  answers to the {where.replace('_', ' ')}'s worker taken by gRPC "
+                          f"{lead['median_ms']:.1f} ms before they arrived (median of "
+                          f"{lead['count']}; p10-p90 {lead['p10_ms']:.1f}-{lead['p90_ms']:.1f})")
             for r in tails[run]:
                 print(f"  step {r['step']}: parameters in at "
                       f"{', '.join(f'{t:.0f}' for t in r['last_in_ms'])} ms (spread "
@@ -392,4 +446,5 @@ def main(argv):
         with open(out, "w") as f:
             json.dump({"command": "python benchmarks/timeline_breakdown.py --json OUT "
                                   + " ".join(argv), "answer_tails": tails,
-                       "step_events": placed, "uplinks": shares}, f, indent=1)
+                       "step_events": placed, "uplinks": shares, "answer_leads": leads,
+                       "phase_offsets": offsets}, f, indent=1)

@@ -19,7 +19,8 @@ simulate --validate --json`` result: measured against predicted) and
 and off: a row per run and scheduler) and ``phases`` (a bench result's
 ``link_phases``: the links' load through the step) and ``events`` (the
 ``step_events`` of ``benchmarks/timeline_breakdown.py --json``: where in
-the step its exchange ends, run by run) and ``flowshare`` (a
+the step its exchange ends, run by run; ``leads``: its ``answer_leads``, how
+early gRPC took each answer, and phase offsets) and ``flowshare`` (a
 ``benchmarks/flow_share.py`` result: how evenly connections shared a
 shaped link, message by message). Paths are relative to the Markdown file.
 One kind names a module instead of JSON: ``environment`` (the user guide's
@@ -36,7 +37,8 @@ import os
 import re
 import sys
 
-from prophet_tf.bench import cut_table, profile_table, sweep_table, transport_table
+from prophet_tf.bench import (cut_table, leads_table, profile_table, sweep_table,
+                              transport_table)
 
 __all__ = ["bench_table", "events_table", "flow_share_table", "phases_table", "runs_table",
            "suite_table", "targets_table", "validate_table", "environment_table", "render",
@@ -369,7 +371,7 @@ _KINDS = {"bench": bench_table, "suite": suite_table, "targets": targets_table,
           "validate": validate_table, "runs": runs_table, "phases": phases_table,
           "events": events_table, "flowshare": flow_share_table, "cuts": cut_table.cuts_table,
           "sweep": sweep_table.sweep_table, "profile": profile_table.profile_table,
-          "transport": transport_table.transport_table}
+          "transport": transport_table.transport_table, "leads": leads_table.leads_table}
 
 
 def environment_table(module: str) -> str:

@@ -42,6 +42,11 @@ def check_breakdown(directory, record, result):
         assert b["push_mb"] == pytest.approx(a["answer_mb"])
         assert a["push_mb"] + b["push_mb"] == pytest.approx(config["model_bytes"] / 1e6)
         assert r["push_end_spread_s"] == pytest.approx(abs(a["push_end_s"] - b["push_end_s"]))
+    # Each answer the PS trace has of a measured version is matched to its pull,
+    # in stream order and by variable, for the worker on its host and the other.
+    leads = breakdown.answer_leads(directory, warmup=WARMUP)
+    assert leads["unmatched"] == 0
+    assert leads["same_host"]["count"] > 0 and leads["other_host"]["count"] > 0, leads
     events = breakdown.step_events(directory, warmup=WARMUP)
     if not record["payload_bytes_per_s"]:
         assert events is None  # no shaped link: no link load to place events beside

@@ -280,3 +280,20 @@ def test_a_transport_table_has_rates_and_cpu_per_gb_of_each_side_per_ps_count():
     assert lines[3].startswith("| 2 | 8 | 0.50 (0.25–1.00) | 0.50 | 2.00 | 2.50 |")
     assert "A 1000 MB float32 model in 4 variables" in lines[-1]
     assert "memcpy of the model 7.50 (5.00–10.00) GB/s" in lines[-1]
+
+
+def test_a_leads_table_has_each_run_s_offset_and_answer_leads():
+    from prophet_tf.bench import leads_table
+
+    lead = {"count": 9, "median_ms": 50.04, "p10_ms": 9.5, "p90_ms": 66.0}
+    result = {"command": "c", "answer_leads": {
+        "tl/fifo-1": {"unmatched": 0, "same_host": dict(lead, median_ms=0.1), "other_host": lead},
+        "tl/p3-2": {"unmatched": 0, "same_host": None, "other_host": lead}},
+        "phase_offsets": {"tl/fifo-1": {"1": {"median_ms": 33.5, "min_ms": -7.1,
+                                              "max_ms": 63.6}}}}
+    lines = leads_table.leads_table(result).splitlines()
+    assert lines[2] == "| fifo-1 | +33.5 (-7.1 to +63.6) | 0.1 (9.5–66.0) | 50.0 (9.5–66.0) |"
+    assert lines[3] == "| p3-2 | – | – | 50.0 (9.5–66.0) |"
+    assert lines[-1].endswith("From `c`.")
+    with pytest.raises(ValueError, match="answer_leads"):
+        leads_table.leads_table({"command": "c"})

@@ -12,10 +12,11 @@ from prophet_tf import extras
 from prophet_tf.bench import simulate as simulate_lib
 from prophet_tf.bench import simulate_ring
 from prophet_tf.engine import schedulers as schedulers_lib
+from prophet_tf.engine.dispatch import Dispatch
 from prophet_tf.tools import _die_with_parent
 
-__all__ = ["parse_spec", "simulate_spec", "simulate_specs", "default_processes", "sweep",
-           "plot_sweep"]
+__all__ = ["parse_spec", "simulate_spec", "simulate_specs", "estimated_cost",
+           "default_processes", "sweep", "plot_sweep"]
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
@@ -51,12 +52,27 @@ def _simulate_job(job: dict) -> dict:
     return simulate_spec(**job)
 
 
+def estimated_cost(job: dict) -> int:
+    """A job's relative CPU time, to start the longest first: the messages its
+    simulated workers send per iteration (each pushes and pulls every partition;
+    every worker is simulated colocated, one stands for all dedicated). The
+    ring model has no fluid network and takes next to nothing (0)."""
+    if job["name"] == simulate_ring.NAME:
+        return 0
+    scheduler = schedulers_lib.make_scheduler(job["name"], **job["options"])
+    specs = simulate_lib.specs_of(job["profile"])
+    dispatch = Dispatch([spec.key for spec in specs], specs, job["num_ps"], scheduler,
+                        num_workers=job["workers"])
+    colocated = job.get("layout", "dedicated") == "colocated"
+    return (job["workers"] if colocated else 1) * len(dispatch.partitions)
+
+
 def simulate_specs(jobs: Sequence[dict], processes: int = 1) -> list[dict]:
     """:func:`simulate_spec` of every job (its keyword arguments), in job order.
 
     A simulation is one CPU-bound Python process and the jobs are independent:
-    with ``processes`` > 1 they run in that many processes of their own, the largest
-    clusters (workers x PS tasks) first so that the last to start are the
+    with ``processes`` > 1 they run in that many processes of their own, the
+    costliest first (:func:`estimated_cost`) so that the last to start are the
     shortest. Each result is the one a single process gives, to the bit (a
     simulation reads no clock and no shared state).
     """
@@ -64,7 +80,8 @@ def simulate_specs(jobs: Sequence[dict], processes: int = 1) -> list[dict]:
         raise ValueError(f"processes must be at least 1. Received: {processes!r}")
     if processes == 1 or len(jobs) < 2:
         return [_simulate_job(job) for job in jobs]
-    order = sorted(range(len(jobs)), key=lambda i: -jobs[i]["workers"] * jobs[i]["num_ps"])
+    costs = [estimated_cost(job) for job in jobs]
+    order = sorted(range(len(jobs)), key=lambda i: -costs[i])
     # spawn, not fork: the caller may hold threads (TensorFlow's, in a test
     # process), which a forked child would inherit mid-lock; and the children
     # are the caller's own, so they end with it (the simulator imports in a

@@ -52,10 +52,14 @@ __all__ = ["breakdown", "phase_offsets", "answer_tails", "answer_leads", "uplink
            "step_events", "STEP_EVENTS", "main"]
 
 
+def _load(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
 @functools.lru_cache(maxsize=None)  # each analysis reads the same timelines
 def _events(directory: str, worker: int) -> list:
-    with open(os.path.join(directory, f"worker-{worker}.json")) as f:
-        return json.load(f)["traceEvents"]
+    return _load(os.path.join(directory, f"worker-{worker}.json"))["traceEvents"]
 
 
 def _workers(directory: str) -> list[list]:
@@ -143,8 +147,8 @@ def _links(events: list) -> dict:
 
 def _transfers(events: list) -> dict:
     """A worker's pushes and answers by step: ("push", step) or ("pull",
-    version) -> [(PS index, start, end, bytes)], times in us; an end is the
-    transfer's arrival."""
+    version) -> [(PS index, start, end, bytes, variable names)], times in us;
+    an end is the transfer's arrival."""
     links = _links(events)
     out = {}
     for e in events:
@@ -153,7 +157,7 @@ def _transfers(events: list) -> dict:
             continue
         k = e["args"]["step"] if kind[0] == "push" else e["args"]["version"]
         out.setdefault((kind[0], k), []).append(
-            (kind[1], e["ts"], e["ts"] + e["dur"], e["args"]["bytes"]))
+            (kind[1], e["ts"], e["ts"] + e["dur"], e["args"]["bytes"], e["args"]["keys"]))
     return out
 
 
@@ -170,20 +174,20 @@ def answer_tails(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     for k in sorted(starts)[warmup:-1]:
         push_in, answered, last_in = {}, {}, []
         for w in range(n):
-            for ps, _, end, _ in transfers[w].get(("push", k), ()):
+            for ps, _, end, _, _ in transfers[w].get(("push", k), ()):
                 push_in[ps] = max(push_in.get(ps, end), end)
             answers = transfers[w].get(("pull", k + 1), ())
-            for ps, _, end, _ in answers:
+            for ps, _, end, _, _ in answers:
                 answered[ps] = max(answered.get(ps, end), end)
             if answers:
-                last_in.append(max(end for _, _, end, _ in answers))
+                last_in.append(max(end for _, _, end, _, _ in answers))
         if len(last_in) < n or not answered:
             continue
         ps = max(answered, key=answered.get)
         a, b = push_in.get(ps, answered[ps]), answered[ps]
         ahead = 0.0
         if ps < n:  # the worker on the laggard PS's host (colocated layout)
-            for to, s, t, nbytes in transfers[ps].get(("push", k + 1), ()):
+            for to, s, t, nbytes, _ in transfers[ps].get(("push", k + 1), ()):
                 if to != ps and t > a and s < b:  # bytes spread evenly over the push
                     ahead += nbytes * (min(t, b) - max(s, a)) / max(t - s, 1e-9)
         t0 = starts[k]
@@ -211,10 +215,10 @@ def uplinks(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     for k in sorted(starts)[warmup:-1]:
         hosts = []
         for h in range(n):
-            pushed = [(end, nbytes) for ps, _, end, nbytes in transfers[h].get(("push", k), ())
+            pushed = [(end, nbytes) for ps, _, end, nbytes, _ in transfers[h].get(("push", k), ())
                       if ps != h]
             answered = [(end, nbytes) for w in range(n) if w != h
-                        for ps, _, end, nbytes in transfers[w].get(("pull", k + 1), ())
+                        for ps, _, end, nbytes, _ in transfers[w].get(("pull", k + 1), ())
                         if ps == h]
             if not (pushed and answered):
                 break
@@ -238,19 +242,25 @@ STEP_EVENTS = ("own last push of the step before", "every worker's last push",
                "first gradient ready", "last gradient ready")
 
 
+@functools.lru_cache(maxsize=None)
+def _ps_traces(directory: str) -> tuple:
+    """Each PS task's trace: (its index, its events)."""
+    traces = map(_load, glob.glob(os.path.join(directory, "ps-*.json")))
+    return tuple((trace["metadata"]["ps"], trace["traceEvents"]) for trace in traces)
+
+
 def _ps_events(directory: str) -> dict:
     """From the PS traces: ("complete", step) -> [(key, t)]; ("answered",
     worker, version) -> latest t (us)."""
     out = {}
-    for path in glob.glob(os.path.join(directory, "ps-*.json")):
-        with open(path) as f:
-            for e in json.load(f)["traceEvents"]:
-                args = e.get("args", {})
-                if e.get("cat") == "complete":
-                    out.setdefault(("complete", args["step"]), []).append((args["key"], e["ts"]))
-                elif e.get("cat") == "answered":
-                    at = ("answered", args["worker"], args["version"])
-                    out[at] = max(out.get(at, e["ts"]), e["ts"])
+    for _, events in _ps_traces(directory):
+        for e in events:
+            args = e.get("args", {})
+            if e.get("cat") == "complete":
+                out.setdefault(("complete", args["step"]), []).append((args["key"], e["ts"]))
+            elif e.get("cat") == "answered":
+                at = ("answered", args["worker"], args["version"])
+                out[at] = max(out.get(at, e["ts"]), e["ts"])
     return out
 
 
@@ -261,35 +271,25 @@ def answer_leads(directory: str, warmup: int = WARMUP_STEPS) -> dict:
     "p10_ms", "p90_ms"}`` or None (PS i is on worker i % W's host, colocated),
     and ``unmatched``: answers whose pull names another variable (the i-th
     answer of a version to a worker is its i-th pull of it: one stream)."""
-    events = _workers(directory)
-    n = len(events)
-    pulls = {}  # (ps, worker, version) -> [(start, end, variable names)]
-    for w, ev in enumerate(events):
-        links = _links(ev)
-        for e in ev:
-            kind = links.get(e.get("tid"))
-            if kind and e.get("cat") == "pull" and e["args"]["version"] > warmup:
-                pulls.setdefault((kind[1], w, e["args"]["version"]), []).append(
-                    (e["ts"], e["ts"] + e["dur"], e["args"]["keys"]))
+    transfers = [_transfers(ev) for ev in _workers(directory)]
+    n = len(transfers)
     answered = {}
-    for path in glob.glob(os.path.join(directory, "ps-*.json")):
-        with open(path) as f:
-            trace = json.load(f)
-        ps = trace["metadata"]["ps"]
-        for e in trace["traceEvents"]:
+    for ps, trace in _ps_traces(directory):
+        for e in trace:
             args = e.get("args", {})
             if e.get("cat") == "answered" and args["version"] > warmup:
                 answered.setdefault((ps, args["worker"], args["version"]), []).append(
                     (e["ts"], e["name"].split(" ", 1)[1]))
     leads = {"same_host": [], "other_host": []}
     unmatched = 0
-    for at, answers in answered.items():
-        received = sorted(pulls.get(at, ()))
+    for (ps, w, version), answers in answered.items():
+        received = sorted((start, end, names) for p, start, end, _, names
+                          in transfers[w].get(("pull", version), ()) if p == ps)
         for (t, name), (_, end, names) in zip(sorted(answers), received):
             if names != [name]:
                 unmatched += 1
                 continue
-            leads["same_host" if at[0] % n == at[1] else "other_host"].append((end - t) / 1e3)
+            leads["same_host" if ps % n == w else "other_host"].append((end - t) / 1e3)
     out = {"unmatched": unmatched}
     for where, values in leads.items():
         values.sort()
@@ -345,8 +345,7 @@ def step_events(directory: str, bins: int = 10, warmup: int = WARMUP_STEPS) -> d
     path = os.path.join(directory, "run.json")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        run = json.load(f)
+    run = _load(path)
     rate = run["payload_bytes_per_s"]
     if not rate:
         return None

@@ -172,15 +172,10 @@ class ProphetScheduler(PriorityScheduler):
 
     # -- readiness and profiling ------------------------------------------------------
 
-    def add(self, item: ReadyItem) -> None:
-        before = (self._iter, self._arrived, self._final, self._plan)
-        self._add(item)
-        after = (self._iter, self._arrived, self._final, self._plan)
-        if any(a is not b for a, b in zip(before, after)):
-            # A new iteration, burst arrival or plan changes every link's answer.
-            self._active.wake_all()
+    # A new iteration (and with it a new plan), a burst's arrival and the final
+    # burst change every link's answer: each wakes every link.
 
-    def _add(self, item: ReadyItem) -> None:
+    def add(self, item: ReadyItem) -> None:
         if self._iter is None or item.iteration > self._iter:
             self._new_iteration(item.iteration)
         super().add(item)
@@ -207,6 +202,7 @@ class ProphetScheduler(PriorityScheduler):
             self._final_left -= 1
             if self._final_left == 0:
                 self._final = True
+                self._active.wake_all()
 
     def _arrive(self, j: int, ready_ns: int) -> None:
         self._arrivals[j] = ready_ns
@@ -216,6 +212,7 @@ class ProphetScheduler(PriorityScheduler):
             self._arrival_sent.clear()
             if j == len(self._plan.bursts) - 1:
                 self._final = True
+            self._active.wake_all()
 
     def _reset_iteration(self) -> None:
         plan = self._plan
@@ -233,6 +230,7 @@ class ProphetScheduler(PriorityScheduler):
         self._iter = iteration
         self._times, self._parts, self._bytes = {}, {}, {}
         self._reset_iteration()
+        self._active.wake_all()
 
     def _close_iteration(self) -> None:
         index = self._iters_closed
@@ -306,7 +304,7 @@ class ProphetScheduler(PriorityScheduler):
             if block:
                 return block
             # No block: none until an add or a sent block of this link, a burst's
-            # arrival, a new iteration or plan (add wakes every link), or a flush.
+            # arrival, a new iteration or plan (each wakes every link), or a flush.
             # Time alone changes nothing: a gap budget only shrinks as time passes.
             active.sleep(link)
         if self._flushing and not self._pending:

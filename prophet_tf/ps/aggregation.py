@@ -47,7 +47,7 @@ import grpc
 import numpy as np
 
 from prophet_tf import codec
-from prophet_tf.ps import registration
+from prophet_tf.ps import registration, zero_copy
 from prophet_tf.ps.errors import RpcError, invalid, precondition
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -182,12 +182,15 @@ def worker_order_sum(dtype: str, arrivals: list) -> np.ndarray:
         return array if array.dtype == sum_dtype else array.astype(sum_dtype)
 
     weights = share_weights([rows for _, rows in arrivals])
+    first = arrivals[0][0]
+    # Aligned, so that the update takes it without a copy (zero_copy.py).
+    total = zero_copy.aligned_empty(first.shape, sum_dtype)
     if weights is None:
-        total = arrivals[0][0].astype(sum_dtype)  # a copy: the request is not ours
+        np.copyto(total, first, casting="unsafe")  # as astype; a copy: the request is not ours
         for array, _ in arrivals[1:]:
             total += in_sum_dtype(array)
         return total
-    total = in_sum_dtype(arrivals[0][0]) * sum_dtype(weights[0])
+    np.multiply(in_sum_dtype(first), sum_dtype(weights[0]), out=total)
     for (array, _), weight in zip(arrivals[1:], weights[1:]):
         total += in_sum_dtype(array) * sum_dtype(weight)
     return total

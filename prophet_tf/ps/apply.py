@@ -40,7 +40,7 @@ import numpy as np
 
 from prophet_tf import per_iteration
 from prophet_tf.ps import (accumulation, aggregation, clipping, ema, lamb, protocol,
-                           whole_apply)
+                           whole_apply, zero_copy)
 from prophet_tf.ps.registration import read  # the partition's value (under Applier.lock)
 
 __all__ = ["Applier", "read"]
@@ -151,6 +151,9 @@ class Applier:
                     encoded = [(p, protocol.encode_parameter_chunk(
                         p.plan.key, p.plan.partition, iteration + 1, p.spec.dtype, value))
                         for p, value in applied]
+                    # A value may view its variable's buffer: kept past the next
+                    # update, it would make TensorFlow copy the variable first.
+                    del applied
             except Exception as e:  # keep serving other partitions; report on this one
                 logger.exception("Optimizer update of %s at step %d failed", part.name,
                                  iteration)
@@ -261,6 +264,7 @@ class Applier:
         # One trace per partition is by design; TF would warn about "retracing".
         fn._omit_frequent_tracing_warning = True
         concrete = fn.get_concrete_function()
-        return lambda total, iteration, factor: np.asarray(concrete(
-            tf.constant(total), tf.constant(iteration, tf.int64),
-            *(tf.constant(f, tf.float32) for f in factor or ())).numpy())
+        # The sum goes in and the new value comes out without copies (zero_copy.py).
+        return lambda total, iteration, factor: zero_copy.to_array(concrete(
+            zero_copy.to_tensor(total), tf.constant(iteration, tf.int64),
+            *(tf.constant(f, tf.float32) for f in factor or ())))

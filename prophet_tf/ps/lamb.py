@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from prophet_tf.ps import ema
+from prophet_tf.ps import ema, zero_copy
 
 __all__ = ["LambPartition", "Ratios", "ratio"]
 
@@ -160,7 +160,7 @@ class LambPartition:
         """Phase 1: ``(applied, sum of squared weights, sum of squared direction)``."""
         import tensorflow as tf
 
-        applied, w2, r2 = self._first(tf.constant(total), tf.constant(iteration, tf.int64),
+        applied, w2, r2 = self._first(zero_copy.to_tensor(total), tf.constant(iteration, tf.int64),
                                       *(tf.constant(f, tf.float32) for f in factor or ()))
         return bool(applied.numpy()), float(w2.numpy()), float(r2.numpy())
 
@@ -171,6 +171,6 @@ class LambPartition:
         iteration of the first phase."""
         import tensorflow as tf
 
-        return np.asarray(self._second(
+        return zero_copy.to_array(self._second(
             tf.constant(1.0 if trust_ratio is None else trust_ratio, tf.float32),
-            tf.constant(trust_ratio is not None), tf.constant(iteration, tf.int64)).numpy())
+            tf.constant(trust_ratio is not None), tf.constant(iteration, tf.int64)))

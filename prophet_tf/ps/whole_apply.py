@@ -24,6 +24,8 @@ import math
 
 import numpy as np
 
+from prophet_tf.ps import zero_copy
+
 __all__ = ["WholeVariable", "Held"]
 
 
@@ -57,10 +59,10 @@ class WholeVariable:
 
         if self._fn is None:
             self._fn = self._trace(optimizer, parts, totals, patches(self.variable), clips)
-        values = self._fn(*(tf.constant(t.reshape(-1)) for t in totals),
+        values = self._fn(*(zero_copy.to_tensor(t.reshape(-1)) for t in totals),
                           tf.constant(iteration, tf.int64),
                           *(tf.constant(f, tf.float32) for f in factor or ()))
-        return [np.asarray(v.numpy()).reshape(p.shape) for p, v in zip(parts, values)]
+        return [zero_copy.to_array(v).reshape(p.shape) for p, v in zip(parts, values)]
 
     def _trace(self, optimizer, parts, totals, patches, clips):
         import tensorflow as tf

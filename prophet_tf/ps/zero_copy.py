@@ -3,8 +3,8 @@
 ``tf.constant(array)`` copies a numpy array twice: TensorFlow's own defensive
 copy, then, as numpy's buffers are 16-byte aligned and TensorFlow's kernels
 need 64, a second one into an aligned buffer. ``tensor.numpy()`` copies once
-more. Those copies were a quarter of a PS task's busy CPU moving a 100 MB
-model on loopback (``docs/records/2026-12-06-apply-without-copies.md``).
+more: with large partitions, the busiest native frames of a PS task
+(``docs/records/2026-12-06-apply-without-copies.md``).
 
 So the sums are built in 64-byte aligned buffers (:func:`aligned_empty`),
 given to the traced update through DLPack, which wraps the buffer as it is

@@ -1,7 +1,7 @@
 """Push + pull throughput and CPU of one worker and its PS processes on loopback.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_transport.py [--mb 100] [--reps 7] \
-        [--ps 1,2,4] [--json benchmarks/transport.json]
+        [--ps 1,2,4] [--json benchmarks/transport.json] [--baseline-root ../before]
 
 PS tasks run in subprocesses (W=1, SGD), as many as ``--ps`` says (each count a
 run of its own). Each repetition is one training step's traffic for a model of
@@ -19,7 +19,11 @@ arrays, as a worker's staging buffers would be. Reported:
 * ``push`` and ``pull`` alone (push to an idle PS; pull of a ready version);
 * the same traffic through as many bare gRPC servers (prebuilt bytes, no PS
   work, same options), with their CPU too: what grpcio itself costs here;
-* numpy memcpy of the same size, the machine's memory reference.
+* numpy memcpy of the same size, the machine's memory reference;
+* with ``--baseline-root``, the same for PS processes run from another
+  checkout (e.g. ``git worktree add ../before HEAD~1`` and its protos built),
+  the two sets of PS processes taking turns step by step: a change's effect
+  in one run, where separate runs would also measure the machine's drift.
 Median and spread (min..max) over the repetitions after one warm-up;
 ``prophet-tf report``'s ``transport`` kind renders the JSON.
 """
@@ -59,14 +63,15 @@ ENV = dict(TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_
            PROPHET_TF_LOG_LEVEL="WARNING")
 
 
-def start(args: list[str], tmp: str) -> tuple[subprocess.Popen, int]:
-    """Starts ``python ARGS --port-file F`` and waits for the port."""
+def start(args: list[str], tmp: str, root: pathlib.Path = ROOT) -> tuple[subprocess.Popen, int]:
+    """Starts ``python ARGS --port-file F`` with ``root``'s prophet_tf and waits for the port."""
     port_file = os.path.join(tmp, f"port{len(os.listdir(tmp))}")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **ENV)
+    env = dict(os.environ, PYTHONPATH=str(root), **ENV)
     # Through _die_with_parent: a bench that is killed leaves no server behind.
+    # In root: `python -m` puts the working directory first on the path, before PYTHONPATH.
     proc = subprocess.Popen([sys.executable, "-m", "prophet_tf.tools._die_with_parent",
                              str(os.getpid()), sys.executable, *args, "--port-file", port_file],
-                            env=env)
+                            env=env, cwd=root)
     deadline = time.monotonic() + 120
     while not os.path.exists(port_file):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -161,83 +166,147 @@ def bare_steps(ports: list[int], sizes: list[list[int]], reps: int, inflight: in
     return {"step_s": times[1:], "client_cpu_s": cpu[0], "server_cpu_s": cpu[1]}
 
 
-def ps_steps(shapes: list, reps: int, inflight: int, num_ps: int, tmp: str) -> dict:
-    """Push + apply + pull through ``num_ps`` PS processes: wall time and CPU per
-    step of this client and of the PS processes, push alone, pull alone."""
-    specs = [ps_pb2.VariableSpec(key=i, name=f"dense_{i}/kernel", shape=s, dtype="float32",
-                                 priority=i) for i, s in enumerate(shapes)]
-    plan = sharding.plan(specs, num_ps, spread=True)
-    owned = [sharding.owned_by(plan, i) for i in range(num_ps)]
-    by_id = {(p.key, p.partition): p for p in plan}
-    rng = np.random.default_rng(0)
-    params = {i: rng.standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)}
-    grads = {i: np.ones(s, np.float32) for i, s in enumerate(shapes)}
-    out = {i: np.empty(s, np.float32) for i, s in enumerate(shapes)}
-    procs = []
-    try:
-        for i in range(num_ps):
-            procs.append(start(["-m", "prophet_tf.ps.server", "--num-workers", "1",
-                                "--ps-index", str(i), "--num-ps", str(num_ps), "--port", "0"],
-                               tmp))
-        clients = [ps_client.PSClient(f"127.0.0.1:{port}", worker_id=0, num_workers=1)
-                   for _, port in procs]
-        for client in clients:
-            client.wait_ready(60)
-        ps_client.register_all(clients, specs, SGD_CONFIG, params, timeout=120)
-        pids = [proc.pid for proc, _ in procs]
-        pool = concurrent.futures.ThreadPoolExecutor(inflight)
-        pullers = concurrent.futures.ThreadPoolExecutor(num_ps)  # a stream per PS
-        stepper = concurrent.futures.ThreadPoolExecutor(1)  # pulls beside the pushes
+class PSSet:
+    """``num_ps`` PS processes run from the source tree ``root`` and this process's
+    clients of them: one training step's traffic at a time, each timed with the
+    CPU it cost this process and the PS processes."""
 
-        def push_all(step):
-            calls = [pool.submit(ps_helpers.push, client, [c], 60)
-                     for client, own in zip(clients, owned)
-                     for c in ps_helpers.gradient_chunks(grads, own, step)]
-            for f in calls:
-                f.result()
+    def __init__(self, shapes: list, inflight: int, num_ps: int, tmp: str,
+                 root: pathlib.Path = ROOT):
+        specs = [ps_pb2.VariableSpec(key=i, name=f"dense_{i}/kernel", shape=s, dtype="float32",
+                                     priority=i) for i, s in enumerate(shapes)]
+        plan = sharding.plan(specs, num_ps, spread=True)
+        self.partitions = len(plan)
+        self.owned = [sharding.owned_by(plan, i) for i in range(num_ps)]
+        self.by_id = {(p.key, p.partition): p for p in plan}
+        rng = np.random.default_rng(0)
+        self.params = {i: rng.standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)}
+        self.grads = {i: np.ones(s, np.float32) for i, s in enumerate(shapes)}
+        self.out = {i: np.empty(s, np.float32) for i, s in enumerate(shapes)}
+        self.procs, self.clients, self.executors = [], [], []
+        self.steps = 0  # steps pushed: the next push is of this step
+        try:
+            for i in range(num_ps):
+                self.procs.append(start(["-m", "prophet_tf.ps.server", "--num-workers", "1",
+                                         "--ps-index", str(i), "--num-ps", str(num_ps),
+                                         "--port", "0"], tmp, root))
+            self.clients = [ps_client.PSClient(f"127.0.0.1:{port}", worker_id=0, num_workers=1)
+                            for _, port in self.procs]
+            for client in self.clients:
+                client.wait_ready(60)
+            ps_client.register_all(self.clients, specs, SGD_CONFIG, self.params, timeout=120)
+            self.pool = concurrent.futures.ThreadPoolExecutor(inflight)
+            self.pullers = concurrent.futures.ThreadPoolExecutor(num_ps)  # a stream per PS
+            self.stepper = concurrent.futures.ThreadPoolExecutor(1)  # pulls beside the pushes
+            self.executors = [self.pool, self.pullers, self.stepper]
+        except BaseException:
+            self.close()
+            raise
+        self.pids = [proc.pid for proc, _ in self.procs]
 
-        def pull_one(client, own, version):
-            n = 0
-            for chunk in client.pull(own, version, timeout=60):
-                ps_helpers.write_chunk(chunk, out, by_id)
-                n += 1
-            assert n == len(own)
+    def _push_all(self) -> None:
+        calls = [self.pool.submit(ps_helpers.push, client, [c], 60)
+                 for client, own in zip(self.clients, self.owned)
+                 for c in ps_helpers.gradient_chunks(self.grads, own, self.steps)]
+        for f in calls:
+            f.result()
+        self.steps += 1
 
-        def pull_all(version):
-            for f in [pullers.submit(pull_one, c, own, version) for c, own in zip(clients, owned)]:
-                f.result()
+    def _pull_one(self, client, own, version: int) -> None:
+        n = 0
+        for chunk in client.pull(own, version, timeout=60):
+            ps_helpers.write_chunk(chunk, self.out, self.by_id)
+            n += 1
+        assert n == len(own)
 
-        step_t, push_t, pull_t = [], [], []
-        for step in range(reps + 1):  # step 0 also traces the applies
-            if step == 1:
-                cpu0 = cpu_seconds(), sum(map(cpu_seconds, pids))
-            t = time.perf_counter()
-            pulled = stepper.submit(pull_all, step + 1)
-            push_all(step)
-            pulled.result()
-            step_t.append(time.perf_counter() - t)
-        cpu = (cpu_seconds() - cpu0[0]) / reps, (sum(map(cpu_seconds, pids)) - cpu0[1]) / reps
-        for step in range(reps + 1, 2 * reps + 2):
-            t = time.perf_counter()
-            push_all(step)
-            push_t.append(time.perf_counter() - t)
-            pull_all(step + 1)  # waits for the applies: not timed
-            t = time.perf_counter()
-            pull_all(step + 1)
-            pull_t.append(time.perf_counter() - t)
-        steps = 2 * reps + 2
-        np.testing.assert_allclose(out[0][:2, :4], params[0][:2, :4] - LR * steps,
+    def _pull_all(self, version: int) -> None:
+        for f in [self.pullers.submit(self._pull_one, c, own, version)
+                  for c, own in zip(self.clients, self.owned)]:
+            f.result()
+
+    def cpu(self) -> tuple[float, float]:
+        """CPU-seconds so far of this process and of the PS processes."""
+        return cpu_seconds(), sum(map(cpu_seconds, self.pids))
+
+    def step(self) -> float:
+        """Push + apply + pull of one step, pulls beside the pushes: its wall time."""
+        t = time.perf_counter()
+        pulled = self.stepper.submit(self._pull_all, self.steps + 1)
+        self._push_all()
+        pulled.result()
+        return time.perf_counter() - t
+
+    def push_then_pull(self) -> tuple[float, float]:
+        """A push to an idle PS, then a pull of a ready version: their wall times."""
+        t = time.perf_counter()
+        self._push_all()
+        push = time.perf_counter() - t
+        self._pull_all(self.steps)  # waits for the applies: not timed
+        t = time.perf_counter()
+        self._pull_all(self.steps)
+        return push, time.perf_counter() - t
+
+    def check(self) -> None:
+        np.testing.assert_allclose(self.out[0][:2, :4], self.params[0][:2, :4] - LR * self.steps,
                                    atol=1e-4, err_msg="the PS's values are wrong")
-        for client in clients:
+
+    def close(self) -> None:
+        for client in self.clients:
             client.close()
-        for executor in (pool, pullers, stepper):
+        for executor in self.executors:
             executor.shutdown()
-    finally:
-        for proc, _ in procs:
+        for proc, _ in self.procs:
             stop(proc)
-    return {"partitions": len(plan), "sizes": [[p.nbytes for p in own] for own in owned],
-            "step_s": step_t[1:], "push_s": push_t[1:], "pull_s": pull_t[1:],
-            "client_cpu_s": cpu[0], "ps_cpu_s": cpu[1]}
+
+
+def ps_steps(sets: list[PSSet], reps: int) -> list[dict]:
+    """Push + apply + pull through each PS set, the sets taking turns step by step
+    (the first to go alternating), so that a machine whose speed drifts treats
+    them alike: per set, the wall time and CPU per step of this client and of
+    its PS processes, then push alone and pull alone."""
+    times = [[] for _ in sets]
+    cpu = [[0.0, 0.0] for _ in sets]
+    for rep in range(reps + 1):  # rep 0 also traces the applies: not counted
+        for i in (range(len(sets)) if rep % 2 == 0 else reversed(range(len(sets)))):
+            before = sets[i].cpu()
+            times[i].append(sets[i].step())
+            if rep:
+                cpu[i] = [c + now - then for c, now, then in zip(cpu[i], sets[i].cpu(), before)]
+    alone = [[] for _ in sets]
+    for _ in range(reps + 1):
+        for i, ps_set in enumerate(sets):
+            alone[i].append(ps_set.push_then_pull())
+    results = []
+    for ps_set, t, (client, ps), one in zip(sets, times, cpu, alone):
+        ps_set.check()
+        results.append({"partitions": ps_set.partitions,
+                        "sizes": [[p.nbytes for p in own] for own in ps_set.owned],
+                        "step_s": t[1:], "push_s": [a[0] for a in one[1:]],
+                        "pull_s": [a[1] for a in one[1:]],
+                        "client_cpu_s": client / reps, "ps_cpu_s": ps / reps})
+    return results
+
+
+def _check_imports_from(root: pathlib.Path) -> None:
+    """Fails unless a process started as :func:`start` starts its PS processes
+    imports ``root``'s prophet_tf (not this tree's, nor the installed one)."""
+    found = subprocess.run([sys.executable, "-c", "import prophet_tf; print(prophet_tf.__file__)"],
+                           env=dict(os.environ, PYTHONPATH=str(root), **ENV), cwd=root,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    expected = root / "prophet_tf" / "__init__.py"
+    if pathlib.Path(found).resolve() != expected.resolve():
+        raise RuntimeError(f"PS processes run from {root} would import {found}, not {expected}")
+
+
+def _commit(root: pathlib.Path) -> str | None:
+    """The checked-out commit of ``root`` (with ``+`` if its tree has changes), or None."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                              text=True, check=False).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return None
+    return commit + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def main(argv=None) -> int:
@@ -248,6 +317,10 @@ def main(argv=None) -> int:
     parser.add_argument("--inflight", type=int, default=4, help="concurrent push requests")
     parser.add_argument("--ps", default="1", help="comma-separated PS process counts (default 1)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--baseline-root", type=pathlib.Path, default=None,
+                        help="also run PS processes from this checkout of prophet_tf (its "
+                             "protos built, same wire protocol), taking turns step by step "
+                             "with this tree's: a before/after comparison in one run")
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -257,6 +330,15 @@ def main(argv=None) -> int:
     if not ps_counts or min(ps_counts) < 1 or args.reps < 1 or args.mb <= 0:
         parser.error(f"--ps takes PS counts >= 1, --reps >= 1, --mb > 0. Received: "
                      f"--ps={args.ps} --reps={args.reps} --mb={args.mb}")
+    baseline = args.baseline_root
+    if baseline is not None:
+        baseline = baseline.resolve()
+        if not (baseline / "prophet_tf" / "ps" / "v1" / "ps_pb2.py").is_file():
+            parser.error("--baseline-root must be a prophet_tf checkout with its protos built "
+                         f"(prophet_tf/ps/v1/ps_pb2.py; `make build` there). Received: "
+                         f"--baseline-root={args.baseline_root}")
+        for root in (ROOT, baseline):
+            _check_imports_from(root)
     codec.tune_allocator()  # as a worker would; the PS main does it too
 
     cols = 1000
@@ -276,7 +358,18 @@ def main(argv=None) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for num_ps in ps_counts:
-            run = {"ps": num_ps, "prophet": ps_steps(shapes, args.reps, args.inflight, num_ps, tmp)}
+            roots = [ROOT] if baseline is None else [ROOT, baseline]
+            sets = []
+            try:
+                for root in roots:
+                    sets.append(PSSet(shapes, args.inflight, num_ps, tmp, root))
+                measured = ps_steps(sets, args.reps)
+            finally:
+                for ps_set in sets:
+                    ps_set.close()
+            run = {"ps": num_ps, "prophet": measured[0]}
+            if baseline is not None:
+                run["baseline"] = measured[1]
             bare = [start([__file__, "--bare-server"], tmp) for _ in range(num_ps)]
             try:
                 run["bare"] = bare_steps([port for _, port in bare], run["prophet"]["sizes"],
@@ -292,21 +385,27 @@ def main(argv=None) -> int:
     for run in runs:
         p, b = run["prophet"], run["bare"]
         print(f"--- {run['ps']} PS process(es), {p['partitions']} partitions")
-        print(f"step (push+apply+pull, model bytes/s): {summary(p['step_s'], model_bytes)}")
-        print(f"CPU-s per GB on the wire: client {per_gb(p['client_cpu_s'], model_bytes):.2f}, "
-              f"PS {per_gb(p['ps_cpu_s'], model_bytes):.2f}")
-        print(f"push only:                             {summary(p['push_s'], model_bytes)}")
-        print(f"pull only:                             {summary(p['pull_s'], model_bytes)}")
+        for label, p in [("", p)] + ([("baseline ", run["baseline"])] if "baseline" in run else []):
+            print(f"{label}step (push+apply+pull, model bytes/s): "
+                  f"{summary(p['step_s'], model_bytes)}")
+            print(f"{label}CPU-s per GB on the wire: client "
+                  f"{per_gb(p['client_cpu_s'], model_bytes):.2f}, "
+                  f"PS {per_gb(p['ps_cpu_s'], model_bytes):.2f}")
+            print(f"{label}push only:                  {summary(p['push_s'], model_bytes)}")
+            print(f"{label}pull only:                  {summary(p['pull_s'], model_bytes)}")
         print(f"bare gRPC step, same traffic:          {summary(b['step_s'], model_bytes)}")
         print(f"bare CPU-s per GB on the wire: client {per_gb(b['client_cpu_s'], model_bytes):.2f}, "
               f"servers {per_gb(b['server_cpu_s'], model_bytes):.2f}")
     print(f"memcpy (numpy copyto, reference):      {summary(memcpy, model_bytes)}")
     if args.json:
         config = {k: v for k, v in vars(args).items()
-                  if k not in ("json", "bare_server", "port_file")}
-        config.update(model_bytes=model_bytes, cores=os.cpu_count())
+                  if k not in ("json", "bare_server", "port_file", "baseline_root")}
+        config.update(model_bytes=model_bytes, cores=os.cpu_count(), commit=_commit(ROOT))
+        if baseline is not None:
+            config.update(baseline_root=str(baseline), baseline_commit=_commit(baseline))
         for run in runs:
-            del run["prophet"]["sizes"]
+            for side in ("prophet", "baseline"):
+                run.get(side, {}).pop("sizes", None)
         with open(args.json, "w") as f:
             json.dump({"config": config, "memcpy_s": memcpy, "runs": runs}, f, indent=1)
     return 0

@@ -24,7 +24,9 @@ def _per_gb(cpu_s: float, model_bytes: int) -> str:
 
 def transport_table(result: dict) -> str:
     """Markdown lines: a row per PS process count, the PS path's and bare gRPC's
-    GB/s (median and spread) and CPU-seconds per GB on the wire of each side."""
+    GB/s (median and spread) and CPU-seconds per GB on the wire of each side;
+    with a baseline (``--baseline-root``), its row first, with the same run's bare
+    gRPC, and the commits in the last line."""
     config = result["config"]
     size = config["model_bytes"]
     lines = ["| PS processes | partitions | push+apply+pull GB/s | CPU-s/GB worker | "
@@ -32,17 +34,24 @@ def transport_table(result: dict) -> str:
              "bare CPU-s/GB servers | bare CPU-s/GB both |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for run in result["runs"]:
-        p, b = run["prophet"], run["bare"]
-        lines.append(
-            f"| {run['ps']} | {p['partitions']} | {_rate(p['step_s'], size)} | "
-            f"{_per_gb(p['client_cpu_s'], size)} | {_per_gb(p['ps_cpu_s'], size)} | "
-            f"{_per_gb(p['client_cpu_s'] + p['ps_cpu_s'], size)} | {_rate(b['step_s'], size)} | "
-            f"{_per_gb(b['client_cpu_s'], size)} | {_per_gb(b['server_cpu_s'], size)} | "
-            f"{_per_gb(b['client_cpu_s'] + b['server_cpu_s'], size)} |")
+        b = run["bare"]
+        bare = (f"{_rate(b['step_s'], size)} | {_per_gb(b['client_cpu_s'], size)} | "
+                f"{_per_gb(b['server_cpu_s'], size)} | "
+                f"{_per_gb(b['client_cpu_s'] + b['server_cpu_s'], size)}")
+        sides = [(f"{run['ps']}, {config.get('baseline_commit')}", run["baseline"])
+                 ] if "baseline" in run else []
+        commit = f", {config.get('commit')}" if "baseline" in run else ""
+        for label, p in sides + [(f"{run['ps']}{commit}", run["prophet"])]:
+            lines.append(
+                f"| {label} | {p['partitions']} | {_rate(p['step_s'], size)} | "
+                f"{_per_gb(p['client_cpu_s'], size)} | {_per_gb(p['ps_cpu_s'], size)} | "
+                f"{_per_gb(p['client_cpu_s'] + p['ps_cpu_s'], size)} | {bare} |")
     lines.append("")
     lines.append(f"A {size / 1e6:.0f} MB float32 model in {config['variables']} variables, one "
                  f"worker on loopback, SGD on the PS, {config['inflight']} pushes in flight; "
                  f"median (min–max) of {config['reps']} steps after a warm-up; "
                  f"{config['cores']} cores; memcpy of the model {_rate(result['memcpy_s'], size)} "
-                 "GB/s.")
+                 "GB/s." + (f" The PS processes of commits {config['baseline_commit']} and "
+                            f"{config['commit']} took turns step by step."
+                            if "baseline_commit" in config else ""))
     return "\n".join(lines) + "\n"

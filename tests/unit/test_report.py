@@ -280,6 +280,17 @@ def test_a_transport_table_has_rates_and_cpu_per_gb_of_each_side_per_ps_count():
     assert lines[3].startswith("| 2 | 8 | 0.50 (0.25–1.00) | 0.50 | 2.00 | 2.50 |")
     assert "A 1000 MB float32 model in 4 variables" in lines[-1]
     assert "memcpy of the model 7.50 (5.00–10.00) GB/s" in lines[-1]
+    assert "took turns" not in lines[-1]
+
+    # With a baseline: its row first, both beside the same run's bare gRPC.
+    result["runs"][0]["baseline"] = run(1, 4.0, 6.0)["prophet"]
+    result["config"].update(commit="bbb", baseline_commit="aaa")
+    lines = transport_table.transport_table(result).splitlines()
+    assert lines[2] == ("| 1, aaa | 4 | 0.50 (0.25–1.00) | 2.00 | 3.00 | 5.00 | 2.00 (2.00–2.00) | "
+                        "0.50 | 0.25 | 0.75 |")
+    assert lines[3].startswith("| 1, bbb | 4 | 0.50 (0.25–1.00) | 1.00 | 1.50 | 2.50 | 2.00")
+    assert lines[4].startswith("| 2 | 8 |")
+    assert lines[-1].endswith("The PS processes of commits aaa and bbb took turns step by step.")
 
 
 def test_a_leads_table_has_each_run_s_offset_and_answer_leads():

@@ -31,10 +31,9 @@ every worker's last push of the step before ended, when the first layer's
 value arrived, when the last answer arrived, when the first and the last
 gradient were ready; beside the link load in each tenth of the step, from
 the interface counters the bench keeps in ``run.json`` with the timelines.
-A push ends when the PS's reply arrives, which may wait behind answers in
-the same connection, so the PS's own trace (``ps-<i>.json``, kept by the
-bench too) adds when each sum was complete and each answer handed to gRPC;
-how long before its arrival gRPC took each answer is :func:`answer_leads`.
+A push ends when the PS's reply arrives, which may wait behind answers in the same connection,
+so the PS's own trace (``ps-<i>.json``, kept by the bench too) adds when each sum was complete
+and each answer handed to gRPC (how long before its arrival: :func:`answer_leads`).
 """
 from __future__ import annotations
 
@@ -145,10 +144,12 @@ def _links(events: list) -> dict:
     return out
 
 
-def _transfers(events: list) -> dict:
+@functools.lru_cache(maxsize=None)  # answer tails, uplinks and answer leads read them
+def _transfers(directory: str, worker: int) -> dict:
     """A worker's pushes and answers by step: ("push", step) or ("pull",
     version) -> [(PS index, start, end, bytes, variable names)], times in us;
-    an end is the transfer's arrival."""
+    an end is the transfer's arrival. Shared: not to be changed."""
+    events = _events(directory, worker)
     links = _links(events)
     out = {}
     for e in events:
@@ -168,7 +169,7 @@ def answer_tails(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     in that tail (MB)."""
     events = _workers(directory)
     n = len(events)
-    transfers = [_transfers(ev) for ev in events]
+    transfers = [_transfers(directory, w) for w in range(n)]
     starts = _backward_starts(events[0])
     rows = []
     for k in sorted(starts)[warmup:-1]:
@@ -206,7 +207,7 @@ def uplinks(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     monotonic clock), and how far apart the hosts' pushes ended."""
     events = _workers(directory)
     n = len(events)
-    transfers = [_transfers(ev) for ev in events]
+    transfers = [_transfers(directory, w) for w in range(n)]
     starts = {}
     for ev in events:
         for k, t in _backward_starts(ev).items():
@@ -271,8 +272,8 @@ def answer_leads(directory: str, warmup: int = WARMUP_STEPS) -> dict:
     "p10_ms", "p90_ms"}`` or None (PS i is on worker i % W's host, colocated),
     and ``unmatched``: answers whose pull names another variable (the i-th
     answer of a version to a worker is its i-th pull of it: one stream)."""
-    transfers = [_transfers(ev) for ev in _workers(directory)]
-    n = len(transfers)
+    n = len(_workers(directory))
+    transfers = [_transfers(directory, w) for w in range(n)]
     answered = {}
     for ps, trace in _ps_traces(directory):
         for e in trace:

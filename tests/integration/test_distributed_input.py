@@ -178,8 +178,8 @@ def test_a_custom_loop_resumes_from_its_checkpoint_on_a_new_cluster(clusters, si
 @pytest.mark.parametrize("scheduler", ["prophet", "p3", "bytescheduler", "fifo-again"])
 def test_sums_do_not_depend_on_the_scheduler(clusters, tmp_path, scheduler):
     """The PS adds the workers in worker order: every scheduler's weights, and a second
-    FIFO run's, are FIFO's, bit for bit, with every input idiom. (make test checks every
-    scheduler's bits on one model: test_scheduling.py.)"""
+    FIFO run's, are FIFO's, bit for bit, with every input idiom. (test_scheduling.py
+    checks each scheduler's bits on one model and one PS task: Prophet's in make test.)"""
     fifo = clusters(3, "fifo")
     other = launch(tmp_path, 3, "fifo") if scheduler == "fifo-again" else clusters(3, scheduler)
     for name in fifo.arrays:

@@ -12,6 +12,13 @@ from prophet_tf.tools.launch import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "mlp_worker.py")
 STEPS = 12  # Prophet plans after 2 warm-up and 5 profiled iterations.
+# make test trains FIFO (the reference) and Prophet; P3 and ByteScheduler are long
+# variants (make test's budget: each run is three processes that import TensorFlow).
+# Their plans have unit tests (test_schedulers.py), and test_distributed_input.py's
+# long variant checks their bits with several PS tasks and every input idiom.
+FAST_SCHEDULERS = ("fifo", "prophet")
+SCHEDULER_PARAMS = [s if s in FAST_SCHEDULERS else pytest.param(s, marks=pytest.mark.slow)
+                    for s in SCHEDULERS]
 
 
 def _run(tmp_path, scheduler, monkeypatch):
@@ -41,31 +48,37 @@ def single(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    monkeypatch = pytest.MonkeyPatch()
-    try:
-        return {s: _run(tmp_path_factory.mktemp(s), s, monkeypatch) for s in SCHEDULERS}
-    finally:
-        monkeypatch.undo()
+def run_of(tmp_path_factory):
+    """run_of(scheduler): one launch per scheduler, shared by the module's tests."""
+    done = {}
+
+    def run(scheduler):
+        if scheduler not in done:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                done[scheduler] = _run(tmp_path_factory.mktemp(scheduler), scheduler,
+                                       monkeypatch)
+        return done[scheduler]
+    return run
 
 
-@pytest.mark.timeout(600)
-def test_every_scheduler_trains_to_the_same_weights(runs, single):
-    reference, _ = runs["fifo"]
-    for scheduler, (weights, _) in runs.items():
-        for worker in weights:
-            assert len(worker) == len(reference[0]) == len(single)
-            for got, want, alone in zip(worker, reference[0], single):
-                # Two workers' sums commute exactly, so the weights are equal to the bit,
-                np.testing.assert_array_equal(got, want, err_msg=scheduler)
-                # and equal single-process Keras up to float summation order.
-                np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5, err_msg=scheduler)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheduler", SCHEDULER_PARAMS)
+def test_every_scheduler_trains_to_the_same_weights(run_of, single, scheduler):
+    reference, _ = run_of("fifo")
+    weights, _ = run_of(scheduler)
+    for worker in weights:
+        assert len(worker) == len(reference[0]) == len(single)
+        for got, want, alone in zip(worker, reference[0], single):
+            # Two workers' sums commute exactly, so the weights are equal to the bit,
+            np.testing.assert_array_equal(got, want, err_msg=scheduler)
+            # and equal single-process Keras up to float summation order.
+            np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5, err_msg=scheduler)
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
-def test_timeline_is_valid_and_complete(runs, scheduler):
-    weights, directory = runs[scheduler]
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheduler", SCHEDULER_PARAMS)
+def test_timeline_is_valid_and_complete(run_of, scheduler):
+    weights, directory = run_of(scheduler)
     num_vars = len(weights[0])
     for worker in range(2):
         with open(directory / f"worker-{worker}.json") as f:

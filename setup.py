@@ -10,10 +10,13 @@
 Both write into the source tree, so ``pip install -e .`` and
 ``python setup.py build_ext --inplace`` leave a working checkout.
 
-3. Tag the wheel ``py3-none-<platform>``: the op library links TensorFlow's
-   ``libtensorflow_framework.so.2``, not libpython, and the rest is pure
-   Python, so any CPython that the TensorFlow it was built against supports
-   can load it (the TensorFlow minor version is checked at load time).
+3. Compile native/max_min.c (plain C, no TensorFlow) into
+   prophet_tf/_max_min.so: the simulator's max-min fair rates, loaded with ctypes.
+4. Tag the wheel ``py3-none-<platform>``: the op library links TensorFlow's
+   ``libtensorflow_framework.so.2``, not libpython, the simulator's library
+   nothing but libc and libm, and the rest is pure Python, so any CPython that
+   the TensorFlow it was built against supports can load them (the TensorFlow
+   minor version is checked at load time).
 """
 import concurrent.futures
 import json
@@ -37,6 +40,8 @@ PROTO_ROOT = ROOT / "protos"
 OPS_DIR = ROOT / "ops"
 PACKAGE = ROOT / "prophet_tf"
 OPS_LIBRARY = "_prophet_ops.so"
+MAX_MIN_SOURCE = ROOT / "native" / "max_min.c"
+MAX_MIN_LIBRARY = "_max_min.so"
 
 
 def generate_grpc_code():
@@ -89,6 +94,15 @@ def compile_ops(output: pathlib.Path):
     (output.parent / "_build_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
+def compile_max_min(output: pathlib.Path):
+    """Compiles the simulator's max-min filling into a plain C shared library."""
+    cc = os.environ.get("CC", "gcc")
+    cmd = [cc, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", str(MAX_MIN_SOURCE),
+           "-o", str(output), "-lm"]
+    print(" ".join(cmd), flush=True)
+    subprocess.check_call(cmd)
+
+
 class BuildPy(build_py):
     def run(self):
         generate_grpc_code()
@@ -102,15 +116,17 @@ class BuildOps(build_ext):
         generate_grpc_code()
         target = PACKAGE / OPS_LIBRARY
         compile_ops(target)
+        compile_max_min(PACKAGE / MAX_MIN_LIBRARY)
         if not self.inplace:
-            # A regular (non-editable) build: ship the library in the wheel.
+            # A regular (non-editable) build: ship the libraries in the wheel.
             dest = pathlib.Path(self.build_lib) / "prophet_tf"
             dest.mkdir(parents=True, exist_ok=True)
-            for name in (OPS_LIBRARY, "_build_info.json"):
+            for name in (OPS_LIBRARY, MAX_MIN_LIBRARY, "_build_info.json"):
                 self.copy_file(str(PACKAGE / name), str(dest / name))
 
     def get_outputs(self):
-        return [os.path.join(self.build_lib, "prophet_tf", OPS_LIBRARY)]
+        return [os.path.join(self.build_lib, "prophet_tf", name)
+                for name in (OPS_LIBRARY, MAX_MIN_LIBRARY)]
 
 
 class BdistWheel(bdist_wheel):

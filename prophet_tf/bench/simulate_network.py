@@ -162,7 +162,7 @@ class FluidSim(EventQueue, RateLag):
         self._rate = np.ones(0)
         self._class_of = np.zeros(0, dtype=np.intp)
         self._weight = np.zeros(0)
-        self._first = self._second = np.zeros(0, dtype=np.intp)
+        self._first = self._second = np.zeros(0, dtype=np.int64)  # max_min.rates' links
         self._flow_at: list = []
         self._free: list[int] = []
         self._slots_used = 0  # past the last slot in use (rate lag), or more
@@ -308,8 +308,8 @@ class FluidSim(EventQueue, RateLag):
         self._rate = np.concatenate([self._rate, np.ones(grow)])
         self._class_of = np.concatenate([self._class_of, np.zeros(grow, dtype=np.intp)])
         self._weight = np.concatenate([self._weight, np.zeros(grow)])
-        self._first = np.concatenate([self._first, np.zeros(grow, dtype=np.intp)])
-        self._second = np.concatenate([self._second, np.zeros(grow, dtype=np.intp)])
+        self._first = np.concatenate([self._first, np.zeros(grow, dtype=np.int64)])
+        self._second = np.concatenate([self._second, np.zeros(grow, dtype=np.int64)])
         self._flow_at += [None] * grow
         self._free = list(range(n + grow - 1, n - 1, -1))
 

@@ -4,10 +4,10 @@ docstring of :mod:`prophet_tf.bench.simulate_network`).
 
 :class:`RateLag` is the part of :class:`prophet_tf.bench.simulate_network.FluidSim`
 that runs when ``rate_lag_s`` > 0. It keeps no classes of flows: a computation
-of the rates takes, per pair of links, the weight of the flows crossing both
-(a ``bincount`` over the flow slots), fills the links by rounds
-(:func:`prophet_tf.bench.simulate_max_min.levels`) and gives each flow its
-weight times the least level of its links, all in array operations.
+of the rates takes, per pair of links, the weight of the flows crossing both,
+fills the links by rounds and gives each flow its weight times the least level
+of its links, in one call into compiled code over the flow slots' arrays
+(:func:`prophet_tf.bench.simulate_max_min.rates`).
 """
 from __future__ import annotations
 
@@ -123,16 +123,10 @@ class RateLag:
         capacity = self._capacity_array
         if len(capacity) != len(self._link_capacity):  # links met since
             capacity = self._capacity_array = np.array(self._link_capacity)
-        n = len(capacity)
-        first, second, weight = self._first[:used], self._second[:used], self._weight[:used]
-        pairs = np.bincount(first * n + second, weights=weight,
-                            minlength=n * n).reshape(n, n)
-        total = np.add.reduce  # ndarray.sum's own reduction, without its wrapper
-        level = max_min.levels(capacity, pairs + pairs.T, total(pairs, 0) + total(pairs, 1))
         rate = self._rate[:used]
-        np.multiply(weight, np.minimum(level[first], level[second]), out=rate)
-        load = np.bincount(first, rate, n) + np.bincount(second, rate, n)
-        self._spare = (capacity - load).tolist()
+        spare = max_min.rates(capacity, self._first[:used], self._second[:used],
+                              self._weight[:used], rate)
+        self._spare = spare.tolist()
         return rate
 
     def _next_end(self) -> None:

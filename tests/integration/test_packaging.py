@@ -86,6 +86,12 @@ def _smoke(venv: pathlib.Path, workdir: pathlib.Path):
     assert {line[1] for line in lines} == {"2"}
     losses = [json.loads(line[2]) for line in lines]
     assert losses[0] == losses[1] and len(losses[0]) == 2  # the whole data on both workers
+    # The simulator's compiled filling (_max_min.so) loads and runs: colocated
+    # simulations fill with it.
+    simulated = _run([venv / "bin" / "prophet-tf", "simulate", "--model", "cnn", "--workers", "2",
+                      "--ps", "2", "--layout", "colocated", "--bandwidth-mbit", "200",
+                      "--schedulers", "fifo"], cwd=workdir, timeout=300, env=env)
+    assert re.search(r"^\s*fifo\s+\d", simulated.stdout, re.M), simulated.stdout[-2000:]
     return result
 
 
@@ -125,7 +131,7 @@ def test_sdist_holds_what_the_build_needs(packaging):
     with tarfile.open(sdist) as archive:
         names = {name.partition("/")[2] for name in archive.getnames()}
     for needed in ("setup.py", "pyproject.toml", "MANIFEST.in", "LICENSE", "README.md",
-                   "ops/ops.cc", "ops/runtime.cc", "ops/runtime.h",
+                   "ops/ops.cc", "ops/runtime.cc", "ops/runtime.h", "native/max_min.c",
                    "protos/prophet_tf/ps/v1/ps.proto", "prophet_tf/_build_info.py"):
         assert needed in names, needed
     sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "ops").rglob("*")
@@ -144,7 +150,7 @@ def test_wheel_tag_metadata_and_build_record(packaging):
         info = json.loads(archive.read("prophet_tf/_build_info.json"))
         meta = email.parser.Parser().parsestr(
             archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode())
-    assert {"prophet_tf/_prophet_ops.so", "prophet_tf/ps/v1/ps_pb2.py",
+    assert {"prophet_tf/_prophet_ops.so", "prophet_tf/_max_min.so", "prophet_tf/ps/v1/ps_pb2.py",
             "prophet_tf/ps/v1/ps_pb2_grpc.py"} <= names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert info["tensorflow_version"] == packaging["tf_version"]
@@ -192,6 +198,7 @@ def test_sdist_installs_building_the_op_library_and_trains(packaging):
     output = result.stdout + result.stderr
     # The op library was compiled and linked here (setup.py prints each command).
     assert re.search(r" -shared .* -o \S*_prophet_ops\.so ", output), output[-3000:]
+    assert re.search(r" -shared .* -o \S*_max_min\.so ", output), output[-3000:]
     assert _tensorflows(_distributions(python)) == {"tensorflow-cpu": packaging["tf_version"]}
     workdir = tmp / "from-sdist"
     workdir.mkdir()

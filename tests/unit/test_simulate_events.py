@@ -1,6 +1,6 @@
 """The simulator's shortcuts give what the straightforward computations give:
-the event queue's order is one heap's, and the max-min levels' one-link rounds
-are the matrix product's."""
+the event queue's order is one heap's, the max-min levels' one-link rounds
+are the matrix product's, and the compiled rates are numpy's."""
 from __future__ import annotations
 
 import heapq
@@ -8,6 +8,7 @@ import math
 import random
 
 import numpy as np
+import pytest
 
 from prophet_tf.bench import simulate_max_min
 from prophet_tf.bench.simulate_events import EventQueue
@@ -90,6 +91,63 @@ def test_levels_equal_the_matrix_product_rounds_to_the_bit():
         assert np.array_equal(simulate_max_min.levels(capacity, pairs, weight), expected)
         rounds_of_one += len(set(expected[expected < simulate_max_min.NO_LEVEL].tolist()))
     assert rounds_of_one > 200
+
+
+def _numpy_rates(capacity, first, second, weight):
+    """The rates and spare capacities in numpy, as the simulator took them
+    before the compiled filling."""
+    n = len(capacity)
+    p = np.bincount(first * n + second, weights=weight, minlength=n * n).reshape(n, n)
+    level = simulate_max_min.levels(capacity, p + p.T, np.add.reduce(p, 0) + np.add.reduce(p, 1))
+    rate = weight * np.minimum(level[first], level[second])
+    return rate, capacity - (np.bincount(first, rate, n) + np.bincount(second, rate, n))
+
+
+def _flows(rng, n, count, weighted):
+    """Flows over up to two links each, the second 0 (none) for some."""
+    first = rng.integers(1, n, count)
+    second = np.where(rng.random(count) < 0.2, 0, rng.integers(1, n, count))
+    weight = np.exp(rng.normal(0.0, 1.0, count)) if weighted else np.ones(count)
+    weight[rng.random(count) < 0.1] = 0.0  # free slots
+    return first, second, weight
+
+
+def test_compiled_rates_are_numpys():
+    """To the bit where no two links are full at once (distinct random
+    capacities), and to the last bits where ties make several full in one round
+    (equal capacities: numpy's matrix product sums in BLAS's order)."""
+    rng = np.random.default_rng(1)
+    for case in range(300):
+        n = int(rng.integers(2, 140))
+        ties = case % 3 == 0
+        capacity = np.full(n, 50.0) if ties else rng.uniform(1.0, 100.0, n)
+        capacity[0] = math.inf
+        first, second, weight = _flows(rng, n, int(rng.integers(0, 3000)), case % 2 == 1)
+        out = np.full(len(first), -1.0)
+        spare = simulate_max_min.rates(capacity, first, second, weight, out)
+        want_rate, want_spare = _numpy_rates(capacity, first, second, weight)
+        if ties:
+            np.testing.assert_allclose(out, want_rate, rtol=1e-12, err_msg=f"case {case}")
+            np.testing.assert_allclose(spare[1:], want_spare[1:], rtol=1e-9, atol=1e-9)
+        else:
+            assert np.array_equal(out, want_rate), f"case {case}"
+            assert np.array_equal(spare, want_spare), f"case {case}"
+        # Max-min: no link over its capacity, and every flow limited by a full link.
+        assert (spare[1:] >= -1e-9 * capacity[1:]).all()
+        moving = weight > 0
+        full = spare <= 1e-9 * np.where(np.isinf(capacity), 1.0, capacity)
+        assert (full[first[moving]] | full[second[moving]]).all()
+
+
+def test_compiled_rates_refuse_links_out_of_range_and_write_nothing():
+    capacity = np.array([math.inf, 10.0, 10.0])
+    first, second = np.array([1, 3], dtype=np.int64), np.array([2, 0], dtype=np.int64)
+    out = np.full(2, -1.0)
+    with pytest.raises(ValueError, match=r"3 links and 2 flows.*outside the links.*\[3\]"):
+        simulate_max_min.rates(capacity, first, second, np.ones(2), out)
+    assert (out == -1.0).all()
+    with pytest.raises(ValueError, match="2 first links, 2 second links, 1 weights and 2 rates"):
+        simulate_max_min.rates(capacity, first, second, np.ones(1), out)
 
 
 def test_schedulers_pick_as_with_every_link_scanned(monkeypatch):

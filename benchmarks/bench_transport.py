@@ -47,10 +47,12 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # ps_helpers: cut gradients into chunks, write pulls back
+sys.path.insert(0, str(ROOT / "benchmarks"))  # trees: the baseline checkout
 
 from prophet_tf import codec  # noqa: E402
 from prophet_tf.bench.transport_table import cpu_per_gb as per_gb  # noqa: E402
 import ps_helpers  # noqa: E402
+import trees  # noqa: E402
 from prophet_tf.ps import client as ps_client  # noqa: E402
 from prophet_tf.ps import protocol  # noqa: E402
 from prophet_tf.ps import sharding  # noqa: E402
@@ -287,28 +289,6 @@ def ps_steps(sets: list[PSSet], reps: int) -> list[dict]:
     return results
 
 
-def _check_imports_from(root: pathlib.Path) -> None:
-    """Fails unless a process started as :func:`start` starts its PS processes
-    imports ``root``'s prophet_tf (not this tree's, nor the installed one)."""
-    found = subprocess.run([sys.executable, "-c", "import prophet_tf; print(prophet_tf.__file__)"],
-                           env=dict(os.environ, PYTHONPATH=str(root), **ENV), cwd=root,
-                           capture_output=True, text=True, check=True).stdout.strip()
-    expected = root / "prophet_tf" / "__init__.py"
-    if pathlib.Path(found).resolve() != expected.resolve():
-        raise RuntimeError(f"PS processes run from {root} would import {found}, not {expected}")
-
-
-def _commit(root: pathlib.Path) -> str | None:
-    """The checked-out commit of ``root`` (with ``+`` if its tree has changes), or None."""
-    def git(*args):
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
-                              text=True, check=False).stdout.strip()
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return None
-    return commit + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=100.0, help="model size in MB (1e6 bytes)")
@@ -338,7 +318,7 @@ def main(argv=None) -> int:
                          f"(prophet_tf/ps/v1/ps_pb2.py; `make build` there). Received: "
                          f"--baseline-root={args.baseline_root}")
         for root in (ROOT, baseline):
-            _check_imports_from(root)
+            trees.check_imports_from(root, ENV)
     codec.tune_allocator()  # as a worker would; the PS main does it too
 
     cols = 1000
@@ -400,9 +380,9 @@ def main(argv=None) -> int:
     if args.json:
         config = {k: v for k, v in vars(args).items()
                   if k not in ("json", "bare_server", "port_file", "baseline_root")}
-        config.update(model_bytes=model_bytes, cores=os.cpu_count(), commit=_commit(ROOT))
+        config.update(model_bytes=model_bytes, cores=os.cpu_count(), commit=trees.commit(ROOT))
         if baseline is not None:
-            config.update(baseline_root=str(baseline), baseline_commit=_commit(baseline))
+            config.update(baseline_root=str(baseline), baseline_commit=trees.commit(baseline))
         for run in runs:
             for side in ("prophet", "baseline"):
                 run.get(side, {}).pop("sizes", None)

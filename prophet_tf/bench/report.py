@@ -21,12 +21,12 @@ and off: a row per run and scheduler) and ``phases`` (a bench result's
 ``step_events`` of ``benchmarks/timeline_breakdown.py --json``: where in
 the step its exchange ends, run by run; ``leads``: its ``answer_leads``, how
 early gRPC took each answer, and phase offsets) and ``flowshare`` (a
-``benchmarks/flow_share.py`` result: how evenly connections shared a
-shaped link, message by message). Paths are relative to the Markdown file.
+``benchmarks/flow_share.py`` result: how evenly connections shared a shaped link,
+message by message); the rest of ``_KINDS`` in modules of their own (``simspeed``:
+``benchmarks/simulate_speed.py``). Paths are relative to the Markdown file.
 One kind names a module instead of JSON: ``environment`` (the user guide's
 environment variables, ``<!-- table: environment prophet_tf.environment -->``).
-The tests run ``--check`` on every Markdown file, so a table can never drift
-from its data.
+The tests run ``--check`` on every Markdown file: no table can drift from its data.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import os
 import re
 import sys
 
-from prophet_tf.bench import (cut_table, leads_table, profile_table, sweep_table,
+from prophet_tf.bench import (cut_table, leads_table, profile_table, speed_table, sweep_table,
                               transport_table)
 
 __all__ = ["bench_table", "events_table", "flow_share_table", "phases_table", "runs_table",
@@ -371,7 +371,8 @@ _KINDS = {"bench": bench_table, "suite": suite_table, "targets": targets_table,
           "validate": validate_table, "runs": runs_table, "phases": phases_table,
           "events": events_table, "flowshare": flow_share_table, "cuts": cut_table.cuts_table,
           "sweep": sweep_table.sweep_table, "profile": profile_table.profile_table,
-          "transport": transport_table.transport_table, "leads": leads_table.leads_table}
+          "transport": transport_table.transport_table, "leads": leads_table.leads_table,
+          "simspeed": speed_table.speed_table}
 
 
 def environment_table(module: str) -> str:

@@ -293,6 +293,25 @@ def test_a_transport_table_has_rates_and_cpu_per_gb_of_each_side_per_ps_count():
     assert lines[-1].endswith("The PS processes of commits aaa and bbb took turns step by step.")
 
 
+def test_a_speed_table_has_each_checkouts_wall_cpu_and_step_times():
+    from prophet_tf.bench import speed_table
+
+    def run(wall, cpu, fifo):
+        return {"wall_s": wall, "cpu_s": cpu, "step_time_s": {"fifo": fifo, "prophet": 0.25}}
+    result = {"config": {"command": "prophet-tf simulate --workers 64", "reps": 3, "cores": 2,
+                         "commits": {"baseline": "aaa", "this": "bbb+"}},
+              "runs": {"baseline": [run(80.0, 150.0, 0.3), run(60.0, 110.0, 0.3),
+                                    run(70.0, 120.0, 0.3)],
+                       "this": [run(50.0, 95.0, 0.25), run(52.0, 97.0, 0.2649),
+                                run(49.0, 93.0, 0.2648)]}}
+    lines = speed_table.speed_table(result).splitlines()
+    assert lines[0] == "| code | commit | wall s | CPU s | fifo step | prophet step |"
+    assert lines[2] == ("| baseline | aaa | 70.0 (60.0–80.0) | 120.0 (110.0–150.0) | "
+                        "300.00 ms | 250.00 ms |")
+    assert lines[3] == "| this | bbb+ | 50.0 (49.0–52.0) | 95.0 (93.0–97.0) | 264.80 ms | 250.00 ms |"
+    assert lines[-1].startswith("`prophet-tf simulate --workers 64`, 3 runs per checkout in turns")
+
+
 def test_a_leads_table_has_each_run_s_offset_and_answer_leads():
     from prophet_tf.bench import leads_table
 

@@ -52,9 +52,20 @@ static double pairwise_sum(const double *a, int64_t n) {
     return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
 }
 
+/* np.maximum(x, 0.0): x unless below 0 (a nan stays nan), inline (libm's
+ * fmax is a call, and turns a nan into 0). */
+static inline double at_least_zero(double x) { return (isnan(x) || x >= 0.0) ? x : 0.0; }
+
+/* The weight of the flows crossing links a and b, either way round: numpy's
+ * `pairs + pairs.T`, taken where it is needed rather than built whole. */
+static inline double crossing(const double *pairs, int64_t n, int64_t a, int64_t b) {
+    return pairs[a * n + b] + pairs[b * n + a];
+}
+
 /* Each link's level (rate per unit of weight of the flows it limits) by
  * progressive filling; simulate_max_min.levels, whose docstring has the
- * method. `pairs` is n x n and symmetric; `left`, `weight` are changed. */
+ * method. `pairs[a * n + b]` is the weight of the flows whose first link is a
+ * and second b; `left`, `weight` are changed. */
 static void fill_levels(int64_t n, const double *pairs, double *left, double *weight,
                         double *level, double *share, int64_t *full) {
     for (int64_t l = 0; l < n; l++) {
@@ -79,17 +90,18 @@ static void fill_levels(int64_t n, const double *pairs, double *left, double *we
         for (int64_t j = 0; j < n; j++) {
             double taken = 0.0, limited = 0.0;
             if (count == 1) {
-                taken = pairs[full[0] * n + j] * share[full[0]];
-                limited = pairs[full[0] * n + j];
+                limited = crossing(pairs, n, full[0], j);
+                taken = limited * share[full[0]];
             } else {
                 for (int64_t k = 0; k < count; k++) {
-                    taken += share[full[k]] * pairs[full[k] * n + j];
-                    limited += pairs[full[k] * n + j];
+                    double both = crossing(pairs, n, full[k], j);
+                    taken += share[full[k]] * both;
+                    limited += both;
                 }
             }
             /* Rounding: never below 0, so a link out stays out. */
-            left[j] = fmax(left[j] - taken, 0.0);
-            weight[j] = fmax(weight[j] - limited, 0.0);
+            left[j] = at_least_zero(left[j] - taken);
+            weight[j] = at_least_zero(weight[j] - limited);
         }
     }
 }
@@ -106,11 +118,10 @@ int prophet_max_min_rates(int64_t n, const double *capacity, int64_t used,
         if (first[i] < 0 || first[i] >= n || second[i] < 0 || second[i] >= n)
             return MAX_MIN_BAD_LINK;
     double *pairs = calloc((size_t)(n * n), sizeof(double));
-    double *both = calloc((size_t)(n * n), sizeof(double));
     double *scratch = calloc((size_t)(7 * n), sizeof(double));
     int64_t *full = calloc((size_t)n, sizeof(int64_t));
-    if (!pairs || !both || !scratch || !full) {
-        free(pairs); free(both); free(scratch); free(full);
+    if (!pairs || !scratch || !full) {
+        free(pairs); free(scratch); free(full);
         return MAX_MIN_NO_MEMORY;
     }
     double *left = scratch, *link_weight = scratch + n, *level = scratch + 2 * n;
@@ -119,19 +130,16 @@ int prophet_max_min_rates(int64_t n, const double *capacity, int64_t used,
     /* Per pair of links, the weight of the flows crossing both, in slot
      * order (np.bincount). */
     for (int64_t i = 0; i < used; i++) pairs[first[i] * n + second[i]] += weight[i];
-    /* Symmetric, and each link's weight: the column sums (rows added in
-     * order) plus the row sums (pairwise). */
-    for (int64_t j = 0; j < n; j++) column[j] = 0.0;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < n; j++) {
-            both[i * n + j] = pairs[i * n + j] + pairs[j * n + i];
-            column[j] = i ? column[j] + pairs[i * n + j] : pairs[i * n + j];
-        }
+    /* Each link's weight: the column sums (rows added in order) plus the
+     * row sums (pairwise). */
+    for (int64_t j = 0; j < n; j++) column[j] = pairs[j];
+    for (int64_t i = 1; i < n; i++)
+        for (int64_t j = 0; j < n; j++) column[j] += pairs[i * n + j];
     for (int64_t l = 0; l < n; l++) {
         link_weight[l] = column[l] + pairwise_sum(pairs + l * n, n);
         left[l] = capacity[l];
     }
-    fill_levels(n, both, left, link_weight, level, share, full);
+    fill_levels(n, pairs, left, link_weight, level, share, full);
     for (int64_t l = 0; l < n; l++) load_first[l] = load_second[l] = 0.0;
     for (int64_t i = 0; i < used; i++) {
         double a = level[first[i]], b = level[second[i]];
@@ -140,6 +148,6 @@ int prophet_max_min_rates(int64_t n, const double *capacity, int64_t used,
     }
     for (int64_t i = 0; i < used; i++) load_second[second[i]] += rate[i];
     for (int64_t l = 0; l < n; l++) spare[l] = capacity[l] - (load_first[l] + load_second[l]);
-    free(pairs); free(both); free(scratch); free(full);
+    free(pairs); free(scratch); free(full);
     return MAX_MIN_OK;
 }

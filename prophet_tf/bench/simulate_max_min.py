@@ -6,8 +6,7 @@ whenever the rates are due; with a rate lag it calls :func:`rates`, the same
 filling over links rather than classes, compiled (``native/max_min.c``, loaded
 with ctypes): :func:`levels` is that filling in numpy, which the compiled one
 is tested against. In numpy a computation was mostly the per-call overhead of
-its ~25 rounds of small array operations: the compiled one made 64-worker
-simulations a third faster.
+its ~25 rounds of small array operations (docs/records/2026-12-07-compiled-max-min.md).
 """
 from __future__ import annotations
 

@@ -88,14 +88,16 @@ def _check(result, compute_s, time_scale):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1000)
 def test_bench_runs_an_emulated_paper_model(tmp_path):
     # One prophet_tf run and one counted tf-mwms run, after tf-mwms's four pack-size
-    # runs (the only test that measures them): 273 s in all on the 2-core development
-    # machine, within the test's own time limit.
+    # runs (the only test that measures them): six clusters, 273 s on the 2-core
+    # development machine alone, 411 s in make test-long beside the other long tests,
+    # and over 540 s there in a slow hour (2026-12-07, when make test took 10:51 instead
+    # of 9:28 on the same commit). The limit only stops a hang, so it leaves room for that.
     result = _bench(tmp_path, "--model", "resnet50", "--compute-ms", "150", "--time-scale",
                     "4", "--bandwidth-mbit", "4000", "--schedulers", "prophet,tf-mwms",
-                    timeout=540)
+                    timeout=900)
     assert result["config"]["link_mbit"] == 1000
     _check(result, 0.6, 4)
     # tf-mwms ran with the fastest pack size of those measured, each measured once.

@@ -95,9 +95,11 @@ def compile_ops(output: pathlib.Path):
 
 
 def compile_max_min(output: pathlib.Path):
-    """Compiles the simulator's max-min filling into a plain C shared library."""
+    """Compiles the simulator's max-min filling into a plain C shared library.
+    Warnings are errors only in the tests' sanitizer build (test_max_min_native.py):
+    a user's newer compiler may warn where this one does not."""
     cc = os.environ.get("CC", "gcc")
-    cmd = [cc, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", str(MAX_MIN_SOURCE),
+    cmd = [cc, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", str(MAX_MIN_SOURCE),
            "-o", str(output), "-lm"]
     print(" ".join(cmd), flush=True)
     subprocess.check_call(cmd)

@@ -27,9 +27,11 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import trees  # noqa: E402
+from prophet_tf.bench.speed_table import speed_table  # noqa: E402
 
 DEFAULT_ARGS = ["--model", "resnet50", "--workers", "64", "--ps", "64", "--layout", "colocated",
                 "--bandwidth-mbit", "10000", "--compute-s", "0.25",
@@ -89,7 +91,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
-    from prophet_tf.bench.speed_table import speed_table
     print(speed_table(result))
     return 0
 

@@ -172,6 +172,8 @@ class _Worker:
         self.owned = [[partition_id(p.key, p.partition) for p in dispatch.pull_order(i)]
                       for i in range(num_ps)]
         self.partition_of = {partition_id(p.key, p.partition): p for p in dispatch.partitions}
+        # Each partition's pull message's time at the ends (_cost), by id.
+        self.pull_cost = {uid: self._cost(p.nbytes) for uid, p in self.partition_of.items()}
         self.pull_queue: list[list[int]] = [[] for _ in range(num_ps)]  # versions asked for
         self.pulling = [False] * num_ps
         self.index = index
@@ -276,18 +278,19 @@ class _Worker:
         """One stream per PS at a time, versions in the order asked (the puller thread)."""
         if not self.pulling[ps] and self.pull_queue[ps]:
             self.pulling[ps] = True
-            self._pull(ps, self.pull_queue[ps].pop(0), list(self.owned[ps]))
+            version, left = self.pull_queue[ps].pop(0), list(self.owned[ps])
+            # What this PS still owes (answers first): ``left`` shrinks as it sends.
+            self.servers.pulls[ps][self.index] = (version, left)
+            self._pull(ps, version, left)
 
     def _pull(self, ps: int, version: int, left: list) -> None:
         """The PS streams each partition of ``version`` once it is applied; of
         those applied, the most urgent first (``left`` is in priority order)."""
-        in_progress = self.servers.pulls[ps]
         if not left:
-            in_progress.pop(self.index, None)
+            self.servers.pulls[ps].pop(self.index, None)
             self.pulling[ps] = False
             self._next_pull(ps)
             return
-        in_progress[self.index] = (version, left)  # what this PS still owes (answers first)
         available, now = self.servers.available[version], self.sim.now
         applied = available.__contains__
         for uid in filter(applied, left):  # the first one applied (most often the first)
@@ -304,7 +307,7 @@ class _Worker:
             return
         left.remove(uid)
         p = self.partition_of[uid]
-        self.sim.at(now + self._cost(p.nbytes), lambda: self._pull_flow(ps, version, left, p))
+        self.sim.at(now + self.pull_cost[uid], lambda: self._pull_flow(ps, version, left, p))
 
     def _pull_flow(self, ps: int, version: int, left: list, p) -> None:
         sim = self.sim
@@ -322,7 +325,9 @@ class _Worker:
         return self.overhead + nbytes * self.per_byte
 
     def _deliver(self, p, version: int) -> None:
-        self.arrived[p.key, version] = self.arrived.get((p.key, version), 0) + 1
+        arrived = self.arrived
+        key = p.key, version
+        arrived[key] = arrived.get(key, 0) + 1
         if (self.blocked and version == self.iteration and p.key == self.var
                 and self._param_in(p.key, version)):
             self.blocked = False

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 
 import numpy as np
 
 from prophet_tf.bench import simulate_max_min as max_min
 
 __all__ = ["RateLag"]
+
+_SEQ = operator.attrgetter("seq")  # the order flows started in
 
 
 class RateLag:
@@ -29,31 +32,32 @@ class RateLag:
         queue: it moves at most flow starts, and a queued one would be left
         behind stale each time) among them at its time and place."""
         events, instant = self._events, self._instant
+        heappop, inf = heapq.heappop, math.inf
         while not until():
             if instant:  # events at now: the rates are not due before they ran
                 place, fn = instant[0]
                 if events and events[0][0] <= self.now and events[0][1] < place:
-                    fn = heapq.heappop(events)[2]
+                    fn = heappop(events)[2]
                 elif self._end_time <= self.now and self._end_place < place:
                     fn = self._end_now
                 else:
                     instant.popleft()
                 fn()
                 continue
-            t = events[0][0] if events else math.inf
+            t = events[0][0] if events else inf
             end = self._end_time
             refill_at = self._refill_at
-            if refill_at is not None and min(t, end) > refill_at:
+            if refill_at is not None and (t if t < end else end) > refill_at:
                 # After the last event of that instant: the changes made at
                 # it are all in.
                 self.now = max(self.now, refill_at)
                 self._refill()
                 continue
-            if end < t or (end == t < math.inf and self._end_place < events[0][1]):
+            if end < t or (end == t < inf and self._end_place < events[0][1]):
                 self.now = end
                 self._end_now()
             elif events:
-                t, _, fn = heapq.heappop(events)
+                t, _, fn = heappop(events)
                 self.now = t
                 fn()
             else:
@@ -144,16 +148,17 @@ class RateLag:
         """The pending flow end is due: the flows due by now end."""
         self._end_at = self._end_time = math.inf
         now = self.now
-        times, slots, late = self._end_times, self._end_slots, self._late
+        times, slots, late, flow_at = self._end_times, self._end_slots, self._late, self._flow_at
         done = []
-        i = self._end_next
-        while i < len(times) and times[i] <= now:
-            done.append(self._flow_at[slots[i]])
+        i, count = self._end_next, len(times)
+        while i < count and times[i] <= now:
+            done.append(flow_at[slots[i]])
             i += 1
         self._end_next = i
         while late and late[0][0] <= now:
-            done.append(self._flow_at[heapq.heappop(late)[2]])
-        done.sort(key=lambda f: f.seq)
+            done.append(flow_at[heapq.heappop(late)[2]])
+        if len(done) > 1:
+            done.sort(key=_SEQ)
         spare, rate = self._spare, self._rate
         for f in done:
             freed = float(rate[f.slot])

@@ -169,7 +169,7 @@ class BandwidthEstimator:
 
     def add(self, nbytes: int, start_ns: int, end_ns: int) -> None:
         """Records a finished transfer of ``nbytes`` that ran from start to end."""
-        self._samples.append((start_ns, max(start_ns, end_ns), nbytes))
+        self._samples.append((start_ns, end_ns if end_ns > start_ns else start_ns, nbytes))
 
     @property
     def samples(self) -> int:

@@ -13,6 +13,14 @@ too (e.g. ``git worktree add ../before HEAD~1``), the two taking turns, so
 that the machine's drift through the run falls on both alike. Each run's
 step times are kept, so a change's effect on the results shows beside its
 speed. ``prophet-tf report``'s ``simspeed`` kind renders the JSON.
+
+``--instructions`` runs each command under Valgrind's callgrind (Debian's
+``valgrind``) and keeps the instructions its processes executed: a count that
+does not move with the machine's load, so one turn shows a change of a few
+percent that wall and CPU time, moving by a third within an hour here, cannot.
+Callgrind runs the code some 60 times slower: give it a smaller command
+(e.g. ``--workers 8``); the hash seed is fixed so that two runs of one tree
+count the same.
 """
 from __future__ import annotations
 
@@ -20,7 +28,9 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,21 +48,42 @@ DEFAULT_ARGS = ["--model", "resnet50", "--workers", "64", "--ps", "64", "--layou
                 "--schedulers", "fifo,p3,bytescheduler,prophet", "--jobs", "2"]
 
 
-def run_once(root: pathlib.Path, args: list[str]) -> dict:
-    """One simulation run from ``root``: its wall and CPU seconds and step times."""
+#: What callgrind prints at each traced process's exit: the instructions it ran.
+_COLLECTED = re.compile(r"^==\d+== Collected : (\d+)$", re.MULTILINE)
+
+
+def run_once(root: pathlib.Path, args: list[str], instructions: bool = False) -> dict:
+    """One simulation run from ``root``: its wall and CPU seconds and step times,
+    and with ``instructions`` (under callgrind) the instructions of its processes."""
     with tempfile.TemporaryDirectory(prefix="simulate-speed-") as tmp:
         out = pathlib.Path(tmp) / "result.json"
+        command = [sys.executable, "-m", "prophet_tf", "simulate", *args, "--json", str(out)]
+        env = None
+        if instructions:
+            # Every process the command starts (the simulations' pool) is counted.
+            command = ["valgrind", "--tool=callgrind", "--trace-children=yes",
+                       f"--callgrind-out-file={tmp}/callgrind.%p", *command]
+            env = {**os.environ, "PYTHONHASHSEED": "0"}
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.monotonic()
         # In root's directory: `python -m` puts it first on the path (trees.py).
-        subprocess.run([sys.executable, "-m", "prophet_tf", "simulate", *args, "--json", str(out)],
-                       cwd=root, check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run(command, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
         wall = time.monotonic() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n"
+                               f"{done.stderr[-4000:]}")
         result = json.loads(out.read_text())
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_s": wall, "cpu_s": cpu,
-            "step_time_s": {r["scheduler"]: r["step_time_s"] for r in result["results"]}}
+    run = {"wall_s": wall, "cpu_s": cpu,
+           "step_time_s": {r["scheduler"]: r["step_time_s"] for r in result["results"]}}
+    if instructions:
+        counts = [int(n) for n in _COLLECTED.findall(done.stderr)]
+        if not counts:
+            raise RuntimeError(f"callgrind reported no instruction count:\n{done.stderr[-4000:]}")
+        run["instructions"] = sum(counts)
+    return run
 
 
 def main(argv=None) -> int:
@@ -61,12 +92,18 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline-root", type=pathlib.Path, default=None,
                         help="another checkout whose code runs the same command, in turns")
     parser.add_argument("--json", default=None, help="write the runs here")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the instructions run, under valgrind's callgrind "
+                             "(about 60 times slower)")
     parser.add_argument("simulate_args", nargs="*", help="after --: prophet-tf simulate's arguments")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps takes a positive count. Received: {args.reps}")
     if "--json" in args.simulate_args:
         parser.error("the simulate arguments may not hold --json: each run writes its own")
+    if args.instructions and shutil.which("valgrind") is None:
+        parser.error("--instructions runs the command under valgrind, which is not installed "
+                     "(Debian: apt-get install valgrind)")
     simulate_args = args.simulate_args or DEFAULT_ARGS
     roots = {"this": ROOT}
     if args.baseline_root is not None:
@@ -79,12 +116,15 @@ def main(argv=None) -> int:
     runs = {name: [] for name in roots}
     for rep in range(args.reps):
         for name, root in roots.items():
-            run = run_once(root, simulate_args)
+            run = run_once(root, simulate_args, args.instructions)
             runs[name].append(run)
-            print(f"rep {rep} {name}: wall {run['wall_s']:.1f} s, CPU {run['cpu_s']:.1f} s",
-                  flush=True)
+            counted = (f", {run['instructions'] / 1e9:.3f} G instructions"
+                       if args.instructions else "")
+            print(f"rep {rep} {name}: wall {run['wall_s']:.1f} s, CPU {run['cpu_s']:.1f} s"
+                  f"{counted}", flush=True)
     result = {"config": {"command": "prophet-tf simulate " + " ".join(simulate_args),
                          "reps": args.reps, "cores": os.cpu_count(),
+                         "instructions": args.instructions,
                          "commits": {name: trees.commit(root) for name, root in roots.items()}},
               "runs": runs}
     if args.json:

@@ -310,6 +310,18 @@ def test_a_speed_table_has_each_checkouts_wall_cpu_and_step_times():
                         "300.00 ms | 250.00 ms |")
     assert lines[3] == "| this | bbb+ | 50.0 (49.0–52.0) | 95.0 (93.0–97.0) | 264.80 ms | 250.00 ms |"
     assert lines[-1].startswith("`prophet-tf simulate --workers 64`, 3 runs per checkout in turns")
+    assert "callgrind" not in lines[-1]
+    # Counted under callgrind: the instructions' median, in billions, beside the times.
+    result["config"]["instructions"] = True
+    for reps, counts in zip(result["runs"].values(), ([9.8e9, 9.9e9, 9.7e9], [9.5e9] * 3)):
+        for r, n in zip(reps, counts):
+            r["instructions"] = n
+    lines = speed_table.speed_table(result).splitlines()
+    assert lines[0].startswith("| code | commit | wall s | CPU s | G instructions | fifo step |")
+    assert lines[1] == "|---|---|---|---|---|---|---|"
+    assert lines[2].split(" | ")[4] == "9.800"
+    assert lines[3].split(" | ")[4] == "9.500"
+    assert "under callgrind" in lines[-1]
 
 
 def test_a_leads_table_has_each_run_s_offset_and_answer_leads():

@@ -66,6 +66,8 @@ import logging
 import math
 import statistics
 import types
+# Events are bound methods with their arguments: no closure's frame per call.
+from functools import partial
 from typing import Callable
 
 from prophet_tf.bench import ideal as ideal_lib
@@ -253,24 +255,24 @@ class _Worker:
         nbytes = block[0].nbytes if len(block) == 1 else sum(item.nbytes for item in block)
         self.pushed_bytes += nbytes
         self.dispatch.release(block)  # serialized at the start, as in the engine
-        self.sim.at(start + self._cost(nbytes), lambda: self._push_flow(block, start, ps, nbytes))
+        self.sim.at(start + self._cost(nbytes), partial(self._push_flow, block, start, ps, nbytes))
 
     def _push_flow(self, block, start: float, ps: int, nbytes: int) -> None:
         routes = self.push_routes
         if routes[ps] is False:
             routes[ps] = self.sim.route(self.push_links[ps])
         self.sim.start_flow(nbytes, self.push_links[ps],
-                            lambda: self._arrived_at_ps(block, start, ps), routes[ps])
+                            partial(self._arrived_at_ps, block, start, ps), routes[ps])
 
     def _arrived_at_ps(self, block, start: float, ps: int) -> None:
         at_ps = self.sim.now + self.latency
         self.servers.arrived(ps, block, at_ps)
         end = at_ps + self.latency  # the response
+        self.sim.at(end, partial(self._pushed, block, start, end))
 
-        def pushed():
-            self.dispatch.on_sent(block, int(start * _NS), int(end * _NS))
-            self._drain()
-        self.sim.at(end, pushed)
+    def _pushed(self, block, start: float, end: float) -> None:
+        self.dispatch.on_sent(block, int(start * _NS), int(end * _NS))
+        self._drain()
 
     # -- parameters in (ParametersIn.pull_version) -----------------------------------
 
@@ -307,18 +309,21 @@ class _Worker:
             return
         left.remove(uid)
         p = self.partition_of[uid]
-        self.sim.at(now + self.pull_cost[uid], lambda: self._pull_flow(ps, version, left, p))
+        self.sim.at(now + self.pull_cost[uid], partial(self._pull_flow, ps, version, left, p))
 
     def _pull_flow(self, ps: int, version: int, left: list, p) -> None:
-        sim = self.sim
-
-        def delivered():
-            sim.at(sim.now + self.latency, lambda: self._deliver(p, version))
-            self._pull(ps, version, left)
         routes = self.pull_routes
         if routes[ps] is False:
-            routes[ps] = sim.route(self.pull_links[ps])
-        sim.start_flow(p.nbytes, self.pull_links[ps], delivered, routes[ps])
+            routes[ps] = self.sim.route(self.pull_links[ps])
+        self.sim.start_flow(p.nbytes, self.pull_links[ps],
+                            partial(self._pulled, ps, version, left, p), routes[ps])
+
+    def _pulled(self, ps: int, version: int, left: list, p) -> None:
+        """A partition's last byte is in: it is delivered after the latency, and
+        the stream goes on with the next."""
+        sim = self.sim
+        sim.at(sim.now + self.latency, partial(self._deliver, p, version))
+        self._pull(ps, version, left)
 
     def _cost(self, nbytes: int) -> float:
         """A message's time at the ends, besides the link: per message and per byte."""

@@ -25,7 +25,7 @@ demo: build
 # process runs while the others' tests wait on their clusters' timeouts and sleeps.
 TEST_PROCESSES ?= $(shell echo $$(( $$(nproc) + 1 )))
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --maxprocesses 4 \
-	--dist loadfile --no-loadscope-reorder --durations=15
+	--dist loadfile --no-loadscope-reorder --durations=30
 
 # The native stress test's plain binary is built with the project, not inside the
 # test run (about 30 CPU-seconds of g++); the sanitized ones are test-long's.

@@ -66,8 +66,7 @@ import logging
 import math
 import statistics
 import types
-# Events are bound methods with their arguments: no closure's frame per call.
-from functools import partial
+from functools import partial  # events: bound methods with arguments, no closures
 from typing import Callable
 
 from prophet_tf.bench import ideal as ideal_lib
@@ -281,8 +280,7 @@ class _Worker:
         if not self.pulling[ps] and self.pull_queue[ps]:
             self.pulling[ps] = True
             version, left = self.pull_queue[ps].pop(0), list(self.owned[ps])
-            # What this PS still owes (answers first): ``left`` shrinks as it sends.
-            self.servers.pulls[ps][self.index] = (version, left)
+            self.servers.pulls[ps][self.index] = (version, left)  # owed (answers first)
             self._pull(ps, version, left)
 
     def _pull(self, ps: int, version: int, left: list) -> None:
@@ -319,8 +317,7 @@ class _Worker:
                             partial(self._pulled, ps, version, left, p), routes[ps])
 
     def _pulled(self, ps: int, version: int, left: list, p) -> None:
-        """A partition's last byte is in: it is delivered after the latency, and
-        the stream goes on with the next."""
+        """A partition's last byte is in: delivered after the latency; the next one."""
         sim = self.sim
         sim.at(sim.now + self.latency, partial(self._deliver, p, version))
         self._pull(ps, version, left)
@@ -330,9 +327,8 @@ class _Worker:
         return self.overhead + nbytes * self.per_byte
 
     def _deliver(self, p, version: int) -> None:
-        arrived = self.arrived
         key = p.key, version
-        arrived[key] = arrived.get(key, 0) + 1
+        self.arrived[key] = self.arrived.get(key, 0) + 1
         if (self.blocked and version == self.iteration and p.key == self.var
                 and self._param_in(p.key, version)):
             self.blocked = False

@@ -250,10 +250,10 @@ class FluidSim(EventQueue, RateLag):
         if slot >= self._slots_used:
             self._slots_used = slot + 1
         flow = self._flow_at[slot] = _Flow(self, slot, self._flow_seq, links, ids, done, weight)
-        self._remaining[slot] = float(nbytes)
         if lag:
-            self._lagged_start(flow, nbytes)
+            self._lagged_start(flow, nbytes)  # sets its bytes left
             return
+        self._remaining[slot] = float(nbytes)
         # Only flows of weight 1 share a class: then a class's weight sums are
         # whole numbers, exact however they are added up.
         key = ids if self._grouped and weight == 1.0 else -self._flow_seq

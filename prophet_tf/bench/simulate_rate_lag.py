@@ -78,11 +78,13 @@ class RateLag:
         if 0.0 > rate:
             rate = 0.0
         self._rate[slot] = rate
-        if rate > 0:
+        if not rate > 0:
+            self._remaining[slot] = float(nbytes)
+        else:
             for link in ids:
                 spare[link] -= rate
             # Bytes left as of _last, as the other flows' are.
-            self._remaining[slot] += rate * (self.now - self._last)
+            self._remaining[slot] = float(nbytes) + rate * (self.now - self._last)
             heapq.heappush(self._late, (self.now + nbytes / rate, flow.seq, slot))
             self._next_end()
         self._lagged_change()

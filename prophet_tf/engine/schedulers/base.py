@@ -292,9 +292,12 @@ class PriorityScheduler(Scheduler):
         self._pending = 0
 
     def add(self, item: ReadyItem) -> None:
-        heap = self._ready.setdefault(item.ps_index, [])
+        link = item.ps_index
+        heap = self._ready.get(link)
+        if heap is None:
+            heap = self._ready[link] = []
         heapq.heappush(heap, (item.iteration, item.priority, item.key, item.partition, item))
-        self._active.wake(item.ps_index)
+        self._active.wake(link)
         self._pending += 1
 
     def _start(self, block: list[ReadyItem]) -> list[ReadyItem]:

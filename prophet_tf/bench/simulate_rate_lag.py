@@ -78,15 +78,14 @@ class RateLag:
         if 0.0 > rate:
             rate = 0.0
         self._rate[slot] = rate
-        if not rate > 0:
-            self._remaining[slot] = float(nbytes)
-        else:
+        left = float(nbytes)
+        if rate > 0:
             for link in ids:
                 spare[link] -= rate
-            # Bytes left as of _last, as the other flows' are.
-            self._remaining[slot] = float(nbytes) + rate * (self.now - self._last)
+            left += rate * (self.now - self._last)  # as of _last, as the other flows'
             heapq.heappush(self._late, (self.now + nbytes / rate, flow.seq, slot))
             self._next_end()
+        self._remaining[slot] = left
         self._lagged_change()
 
     def _lagged_change(self) -> None:

@@ -58,8 +58,9 @@ class ReadyItem(typing.NamedTuple):
     """One partition of one gradient, ready to send (immutable).
 
     A named tuple, not a frozen dataclass: the dispatch makes one per
-    partition per gradient (a million in a 64-worker simulation), and a
-    frozen dataclass's ``__init__`` costs three times a tuple's.
+    partition per gradient (725 x 64 workers x 16 iterations in a 64-worker
+    ResNet-50 Prophet simulation), and a frozen dataclass's ``__init__``
+    costs three times a tuple's.
 
     Partitions of one gradient share ``key``, ``iteration``, ``priority`` and
     ``ready_ns``; ``(key, partition, iteration)`` identifies an item.

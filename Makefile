@@ -8,8 +8,8 @@ PIP    := $(PY) -m pip
 BUILD_DEPS := "setuptools>=77" wheel "tensorflow-cpu>=2.21,<2.22" "grpcio-tools>=1.85.1,<1.86"
 # The op library's sources; ops/tests/ holds standalone test programs.
 OPS_SOURCES := $(shell find ops -path ops/tests -prune -o \( -name '*.cc' -o -name '*.h' \) -print)
-# The simulator's native filling (plain C, no TensorFlow); native/tests/ holds its check.
-NATIVE_SOURCES := native/max_min.c
+# The simulator's native filling and event core (C, no TensorFlow); native/tests/ holds a check.
+NATIVE_SOURCES := native/max_min.c native/fluid_core.c
 PROTOS := $(shell find protos -name '*.proto')
 STAMP := $(VENV)/.prophet_tf-installed
 # The ssh server `make test-long` needs (see the rule below).
@@ -64,9 +64,9 @@ $(STAMP): $(VENV)/bin/python pyproject.toml setup.py
 
 # Rebuild the native libraries and the generated gRPC code when their sources change
 # (one build_ext makes both libraries: a grouped target).
-build: $(STAMP) prophet_tf/_prophet_ops.so prophet_tf/_max_min.so
+build: $(STAMP) prophet_tf/_prophet_ops.so prophet_tf/_max_min.so prophet_tf/_fluid_core.abi3.so
 
-prophet_tf/_prophet_ops.so prophet_tf/_max_min.so &: $(OPS_SOURCES) $(NATIVE_SOURCES) $(PROTOS) $(STAMP)
+prophet_tf/_prophet_ops.so prophet_tf/_max_min.so prophet_tf/_fluid_core.abi3.so &: $(OPS_SOURCES) $(NATIVE_SOURCES) $(PROTOS) $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
 $(STRESS): ops/runtime.cc ops/runtime.h ops/tests/runtime_stress.cc ops/tests/build_stress.py $(STAMP)
@@ -84,5 +84,5 @@ sanitize: $(STAMP)
 	$(PY) ops/tests/build_stress.py --mode tsan --run 30
 
 clean:
-	rm -rf build *.egg-info prophet_tf/_prophet_ops.so prophet_tf/_max_min.so prophet_tf/_build_info.json \
+	rm -rf build *.egg-info prophet_tf/_prophet_ops.so prophet_tf/_max_min.so prophet_tf/_fluid_core.abi3.so prophet_tf/_build_info.json \
 	  prophet_tf/ps/v1/*_pb2*.py prophet_tf/ps/v1/*_pb2*.pyi

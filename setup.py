@@ -11,12 +11,15 @@ Both write into the source tree, so ``pip install -e .`` and
 ``python setup.py build_ext --inplace`` leave a working checkout.
 
 3. Compile native/max_min.c (plain C, no TensorFlow) into
-   prophet_tf/_max_min.so: the simulator's max-min fair rates, loaded with ctypes.
-4. Tag the wheel ``py3-none-<platform>``: the op library links TensorFlow's
-   ``libtensorflow_framework.so.2``, not libpython, the simulator's library
-   nothing but libc and libm, and the rest is pure Python, so any CPython that
-   the TensorFlow it was built against supports can load them (the TensorFlow
-   minor version is checked at load time).
+   prophet_tf/_max_min.so: the simulator's max-min fair rates, loaded with ctypes;
+   and native/fluid_core.c with it into prophet_tf/_fluid_core.abi3.so, the
+   simulator's compiled event queue and network, a CPython extension built
+   against Python 3.11's stable ABI.
+4. Tag the wheel ``cp311-abi3-<platform>``: the op library links TensorFlow's
+   ``libtensorflow_framework.so.2``, not libpython, the simulator's libraries
+   libc, libm and Python's stable ABI, and the rest is pure Python, so any
+   CPython from 3.11 that the TensorFlow it was built against supports can
+   load them (the TensorFlow minor version is checked at load time).
 """
 import concurrent.futures
 import json
@@ -42,6 +45,9 @@ PACKAGE = ROOT / "prophet_tf"
 OPS_LIBRARY = "_prophet_ops.so"
 MAX_MIN_SOURCE = ROOT / "native" / "max_min.c"
 MAX_MIN_LIBRARY = "_max_min.so"
+FLUID_CORE_SOURCE = ROOT / "native" / "fluid_core.c"
+FLUID_CORE_LIBRARY = "_fluid_core.abi3.so"
+NATIVE_LIBRARIES = (OPS_LIBRARY, MAX_MIN_LIBRARY, FLUID_CORE_LIBRARY)
 
 
 def generate_grpc_code():
@@ -105,6 +111,19 @@ def compile_max_min(output: pathlib.Path):
     subprocess.check_call(cmd)
 
 
+def compile_fluid_core(output: pathlib.Path):
+    """Compiles the simulator's event queue and network, with the max-min
+    filling it calls, into a CPython extension (stable ABI). No fused
+    multiply-adds: its float operations are the Python path's, to the bit."""
+    import sysconfig
+    cc = os.environ.get("CC", "gcc")
+    cmd = [cc, "-shared", "-fPIC", "-O2", "-ffp-contract=off", "-Wall", "-Wextra",
+           f"-I{sysconfig.get_paths()['include']}", str(FLUID_CORE_SOURCE),
+           str(MAX_MIN_SOURCE), "-o", str(output), "-lm"]
+    print(" ".join(cmd), flush=True)
+    subprocess.check_call(cmd)
+
+
 class BuildPy(build_py):
     def run(self):
         generate_grpc_code()
@@ -119,24 +138,25 @@ class BuildOps(build_ext):
         target = PACKAGE / OPS_LIBRARY
         compile_ops(target)
         compile_max_min(PACKAGE / MAX_MIN_LIBRARY)
+        compile_fluid_core(PACKAGE / FLUID_CORE_LIBRARY)
         if not self.inplace:
             # A regular (non-editable) build: ship the libraries in the wheel.
             dest = pathlib.Path(self.build_lib) / "prophet_tf"
             dest.mkdir(parents=True, exist_ok=True)
-            for name in (OPS_LIBRARY, MAX_MIN_LIBRARY, "_build_info.json"):
+            for name in (*NATIVE_LIBRARIES, "_build_info.json"):
                 self.copy_file(str(PACKAGE / name), str(dest / name))
 
     def get_outputs(self):
         return [os.path.join(self.build_lib, "prophet_tf", name)
-                for name in (OPS_LIBRARY, MAX_MIN_LIBRARY)]
+                for name in NATIVE_LIBRARIES]
 
 
 class BdistWheel(bdist_wheel):
-    """Platform-specific (the op library), but not tied to a Python ABI."""
+    """Platform-specific (the native libraries), on Python's stable ABI from 3.11."""
 
     def get_tag(self):
         _, _, platform = super().get_tag()
-        return "py3", "none", platform
+        return "cp311", "abi3", platform
 
 
 setup(

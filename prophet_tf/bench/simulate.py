@@ -72,7 +72,7 @@ from typing import Callable
 from prophet_tf.bench import ideal as ideal_lib
 from prophet_tf.bench import models
 from prophet_tf.bench.simulate_links import ClusterLinks
-from prophet_tf.bench.simulate_network import FluidSim
+from prophet_tf.bench.simulate_network import FluidSim, fluid_sim
 from prophet_tf.engine import schedulers as schedulers_lib
 from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.engine.dispatch import Dispatch
@@ -90,8 +90,7 @@ DEFAULT_RPC_OVERHEAD_S = 0.0003
 #: and more run several times faster.
 DEFAULT_RATE_LAG_S = 0.0002
 WARMUP_ITERATIONS = schedulers_lib.ProphetScheduler.ITERATIONS_BEFORE_PLAN
-#: How often a worker held by answers first asks its host's PS tasks again
-#: (``AnswersFirst.POLL_S``).
+#: How often a worker held by answers first asks its host's PS tasks again.
 ANSWERS_POLL_S = AnswersFirst.POLL_S
 _NS = 1_000_000_000
 LAYOUTS = ideal_lib.LAYOUTS
@@ -348,7 +347,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
              rpc_per_byte_s: float = 0.0, scheduler_options: dict | None = None, layout: str = "dedicated",
              framing: float = ideal_lib.TCP_FRAMING, share_sigma: float = 0.0,
              seed: int = 0, answers_first: bool = True,
-             rate_lag_s: float = DEFAULT_RATE_LAG_S) -> dict:
+             rate_lag_s: float = DEFAULT_RATE_LAG_S, compiled: bool = True) -> dict:
     """Simulates training with one scheduler; returns step times and the ideal bound.
 
     Args:
@@ -379,6 +378,8 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
         does unless ``PROPHET_TF_ANSWERS_FIRST=0`` (see the module docstring).
       rate_lag_s: how late the links' shares may follow flows' starts and
         ends (``simulate_network.FluidSim``); 0 recomputes them at every change.
+      compiled: with a rate lag, the network in compiled code (the same
+        results to the bit; False: the Python path, the reference).
 
     Returns:
       ``{"scheduler", "step_time_s", "step_times_s", "ideal_step_time_s", "ideal",
@@ -409,7 +410,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
     specs = specs_of(profile)
     rate = ideal_lib.payload_bytes_per_s(bandwidth_mbit, framing) or math.inf
     network = ClusterLinks(layout, workers, num_ps, rate)
-    sim = FluidSim(network.capacity, share_sigma, seed, rate_lag_s=rate_lag_s)
+    sim = fluid_sim(network.capacity, share_sigma, seed, rate_lag_s, compiled)
     servers = _Servers(sim, network.simulated)
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
     simulated, finished = [], []
@@ -422,13 +423,12 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
                                  rpc_per_byte_s, finished, answers_first))
         sim.at(0.0, simulated[-1].start)
     worker = simulated[0]
-    # The run allocates millions of short-lived objects (events, closures) and
-    # makes no reference cycles worth collecting: the cyclic collector's passes
-    # over the long-lived ones took a fifth of the time at 32 workers.
+    # Millions of short-lived objects (events, closures), no cycles worth
+    # collecting: the collector's passes took a fifth of the time at 32 workers.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        sim.run(until=lambda: len(finished) == len(simulated))  # checked at every event: O(1)
+        sim.run(until=(finished, len(simulated)))  # checked at every event: O(1)
     finally:
         if collecting:
             gc.enable()

@@ -71,9 +71,9 @@ import numpy as np
 
 from prophet_tf.bench import simulate_max_min as max_min
 from prophet_tf.bench.simulate_events import EventQueue
-from prophet_tf.bench.simulate_rate_lag import RateLag
+from prophet_tf.bench.simulate_rate_lag import RateLag, finite_ids
 
-__all__ = ["FluidSim"]
+__all__ = ["FluidSim", "fluid_sim"]
 
 #: A flow with at most this many bytes left is done (float rounding).
 _DONE_BYTES = 1e-3
@@ -108,6 +108,16 @@ class _Flow:
     @property
     def remaining(self) -> float:
         return float(self.sim._remaining[self.slot])
+
+
+def fluid_sim(capacity: dict, share_sigma: float = 0.0, seed: int = 0,
+              rate_lag_s: float = 0.0, compiled: bool = True):
+    """A :class:`FluidSim`; with a rate lag and ``compiled``, its compiled
+    equal (:mod:`prophet_tf.bench.simulate_compiled`: the same results to the bit)."""
+    if compiled and rate_lag_s:
+        from prophet_tf.bench.simulate_compiled import CompiledFluidSim
+        return CompiledFluidSim(capacity, share_sigma, seed, rate_lag_s)
+    return FluidSim(capacity, share_sigma, seed, rate_lag_s=rate_lag_s)
 
 
 class FluidSim(EventQueue, RateLag):
@@ -191,7 +201,12 @@ class FluidSim(EventQueue, RateLag):
 
     # -- events -------------------------------------------------------------------------
 
-    def run(self, until: Callable[[], bool]) -> None:
+    def run(self, until: Callable[[], bool] | tuple[list, int]) -> None:
+        """Runs events until ``until()`` is true, or with ``(items, count)``
+        until the list ``items`` holds ``count`` items; or none are left."""
+        if isinstance(until, tuple):
+            items, count = until
+            until = lambda: len(items) >= count  # noqa: E731
         if self.rate_lag_s:
             self._lagged_run(until)
             return
@@ -273,26 +288,26 @@ class FluidSim(EventQueue, RateLag):
     def _ids(self, links: tuple):
         """The ids of a path's links (with a rate lag: of those that limit it);
         None if none of them limits it."""
+        if self.rate_lag_s:
+            return finite_ids(links, self.capacity, self._link_id, self._new_link)
         if all(math.isinf(self.capacity[l]) for l in links):
             return None
-        if self.rate_lag_s:
-            links = [l for l in links if not math.isinf(self.capacity[l])]
-            if len(links) > 2:
-                raise ValueError(f"with a rate lag a path crosses at most two links that "
-                                 f"limit it. Received: {links}")
-        ids = []
         for link in links:
             if link not in self._link_id:
-                self._link_id[link] = len(self._link_capacity)
-                self._link_capacity.append(self.capacity[link])
-                self._spare.append(self.capacity[link])
-                self._link_flows.append([])
-                self._on_link.append({})
-                self._link_count.append(0)
-                if not math.isinf(self.capacity[link]):
-                    self._max_capacity = max(self._max_capacity, self.capacity[link])
-            ids.append(self._link_id[link])
-        return tuple(ids)
+                self._link_id[link] = self._new_link(link)
+        return tuple(self._link_id[link] for link in links)
+
+    def _new_link(self, link) -> int:
+        """Makes room for a link met for the first time; returns its id."""
+        capacity = self.capacity[link]
+        self._link_capacity.append(capacity)
+        self._spare.append(capacity)
+        self._link_flows.append([])
+        self._on_link.append({})
+        self._link_count.append(0)
+        if not math.isinf(capacity):
+            self._max_capacity = max(self._max_capacity, capacity)
+        return len(self._link_capacity) - 1
 
     def _class_index(self) -> int:
         if not self._class_free:

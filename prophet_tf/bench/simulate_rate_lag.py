@@ -19,9 +19,27 @@ import numpy as np
 
 from prophet_tf.bench import simulate_max_min as max_min
 
-__all__ = ["RateLag"]
+__all__ = ["RateLag", "finite_ids"]
 
 _SEQ = operator.attrgetter("seq")  # the order flows started in
+
+
+def finite_ids(links: tuple, capacity: dict, link_id: dict, new_link) -> tuple | None:
+    """The ids of the links of a path that limit it (finite capacity), None if
+    none does; ``new_link(link)`` gives the id of a link met for the first
+    time (kept in ``link_id``). With a rate lag a path crosses at most two."""
+    finite = [link for link in links if not math.isinf(capacity[link])]
+    if not finite:
+        return None
+    if len(finite) > 2:
+        raise ValueError(f"with a rate lag a path crosses at most two links that limit it. "
+                         f"Received: {finite}")
+    ids = []
+    for link in finite:
+        if link not in link_id:
+            link_id[link] = new_link(link)
+        ids.append(link_id[link])
+    return tuple(ids)
 
 
 class RateLag:

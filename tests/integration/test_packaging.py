@@ -6,7 +6,8 @@ Slow (a venv with TensorFlow, two compiles of the op library): `make test-long`.
 What it checks:
 - the sdist holds everything the build needs (ops/, protos/, setup.py, LICENSE)
   and no build output of the checkout;
-- the wheel is tagged py3-none (the op library does not link libpython) and
+- the wheel is tagged cp311-abi3 (the op library does not link libpython, the
+  simulator's core is on Python's stable ABI) and
   records the TensorFlow it was built against; auditwheel tags it manylinux
   with libtensorflow_framework left to the installed TensorFlow;
 - its metadata requires no TensorFlow distribution, and installing it next to
@@ -86,8 +87,8 @@ def _smoke(venv: pathlib.Path, workdir: pathlib.Path):
     assert {line[1] for line in lines} == {"2"}
     losses = [json.loads(line[2]) for line in lines]
     assert losses[0] == losses[1] and len(losses[0]) == 2  # the whole data on both workers
-    # The simulator's compiled filling (_max_min.so) loads and runs: colocated
-    # simulations fill with it.
+    # The simulator's compiled network (_fluid_core.abi3.so, with the filling
+    # of _max_min.so in it) loads and runs: simulations with a rate lag use it.
     simulated = _run([venv / "bin" / "prophet-tf", "simulate", "--model", "cnn", "--workers", "2",
                       "--ps", "2", "--layout", "colocated", "--bandwidth-mbit", "200",
                       "--schedulers", "fifo"], cwd=workdir, timeout=300, env=env)
@@ -132,6 +133,7 @@ def test_sdist_holds_what_the_build_needs(packaging):
         names = {name.partition("/")[2] for name in archive.getnames()}
     for needed in ("setup.py", "pyproject.toml", "MANIFEST.in", "LICENSE", "README.md",
                    "ops/ops.cc", "ops/runtime.cc", "ops/runtime.h", "native/max_min.c",
+                   "native/fluid_core.c",
                    "protos/prophet_tf/ps/v1/ps.proto", "prophet_tf/_build_info.py"):
         assert needed in names, needed
     sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "ops").rglob("*")
@@ -144,14 +146,14 @@ def test_sdist_holds_what_the_build_needs(packaging):
 
 def test_wheel_tag_metadata_and_build_record(packaging):
     (wheel,) = packaging["dist"].glob("prophet_tf-*.whl")
-    assert re.fullmatch(r"prophet_tf-[\d.]+-py3-none-linux_x86_64\.whl", wheel.name), wheel.name
+    assert re.fullmatch(r"prophet_tf-[\d.]+-cp311-abi3-linux_x86_64\.whl", wheel.name), wheel.name
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         info = json.loads(archive.read("prophet_tf/_build_info.json"))
         meta = email.parser.Parser().parsestr(
             archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode())
-    assert {"prophet_tf/_prophet_ops.so", "prophet_tf/_max_min.so", "prophet_tf/ps/v1/ps_pb2.py",
-            "prophet_tf/ps/v1/ps_pb2_grpc.py"} <= names
+    assert {"prophet_tf/_prophet_ops.so", "prophet_tf/_max_min.so", "prophet_tf/_fluid_core.abi3.so",
+            "prophet_tf/ps/v1/ps_pb2.py", "prophet_tf/ps/v1/ps_pb2_grpc.py"} <= names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert info["tensorflow_version"] == packaging["tf_version"]
     # No TensorFlow distribution unless an extra asks for one.
@@ -174,7 +176,7 @@ def test_auditwheel_tags_manylinux_and_the_wheel_installs_and_trains(packaging):
     result = _run([venv / "bin" / "auditwheel", "repair", "--exclude",
                    "libtensorflow_framework.so.2", "-w", house, wheel], cwd=tmp, env=env)
     (repaired,) = house.glob("*.whl")
-    assert re.fullmatch(r"prophet_tf-[\d.]+-py3-none-manylinux_2_\d+_x86_64\.whl",
+    assert re.fullmatch(r"prophet_tf-[\d.]+-cp311-abi3-manylinux_2_\d+_x86_64\.whl",
                         repaired.name), result.stderr[-2000:]
     with zipfile.ZipFile(repaired) as archive:
         # Nothing grafted: TensorFlow's framework library comes from the installed TensorFlow.
@@ -199,6 +201,7 @@ def test_sdist_installs_building_the_op_library_and_trains(packaging):
     # The op library was compiled and linked here (setup.py prints each command).
     assert re.search(r" -shared .* -o \S*_prophet_ops\.so ", output), output[-3000:]
     assert re.search(r" -shared .* -o \S*_max_min\.so ", output), output[-3000:]
+    assert re.search(r" -shared .* -o \S*_fluid_core\.abi3\.so ", output), output[-3000:]
     assert _tensorflows(_distributions(python)) == {"tensorflow-cpu": packaging["tf_version"]}
     workdir = tmp / "from-sdist"
     workdir.mkdir()

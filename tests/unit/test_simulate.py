@@ -455,7 +455,7 @@ def test_flow_classes_and_lazy_rates_give_the_straightforward_paths_results(name
             super().__init__(*args, classes=False, **kwargs)
             grouped.append(self)
 
-    monkeypatch.setattr(simulate, "FluidSim", Straightforward)
+    monkeypatch.setattr(simulate_network, "FluidSim", Straightforward)
     slow = [simulate.simulate(TOY, name, **case) for case in cases]
     assert len(grouped) == len(cases)
     for a, b in zip(fast, slow):

@@ -7,7 +7,6 @@ any worker overflowed (one worker overflows, the other does not), and every
 worker's loss scale follows what single-process Keras' would.
 """
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -20,26 +19,30 @@ STEPS = 8
 pytestmark = pytest.mark.timeout(300)
 
 
-def _single(prefix, *options):
-    subprocess.run([sys.executable, WORKER, prefix, str(STEPS), "--single", *options],
-                   check=True, timeout=240)
-    return np.load(f"{prefix}.single.npz")
+def _single(**options):
+    """Single-process Keras in this process, not a subprocess with a TensorFlow start-up
+    of its own: the worker's model, data and fit, so the same bits as running it there."""
+    import keras_worker  # TensorFlow in this process: only for the references.
+    import precision_worker
+
+    keras_worker.limit_threads()  # one intra-op thread, as in the workers
+    return precision_worker.single_process(STEPS, **options)
 
 
 def _cluster(prefix, *options):
     assert launch([sys.executable, WORKER, prefix, str(STEPS), *options], num_workers=2,
                   num_ps=2) == 0
-    return [np.load(f"{prefix}.{i}.npz") for i in range(2)]
+    return [dict(np.load(f"{prefix}.{i}.npz")) for i in range(2)]  # dicts, like _single
 
 
 def _weights(run):
-    return [run[f"arr_{k}"] for k in range(sum(f.startswith("arr_") for f in run.files))]
+    return [run[f"arr_{k}"] for k in range(sum(key.startswith("arr_") for key in run))]
 
 
 def test_mixed_bfloat16_trains_to_single_process_weights(tmp_path):
-    options = ["--policy", "mixed_bfloat16", "--optimizer", "sgd"]
-    single = _weights(_single(str(tmp_path / "bf16"), *options))
-    runs = [_weights(r) for r in _cluster(str(tmp_path / "bf16"), *options)]
+    single = _weights(_single(policy="mixed_bfloat16", optimizer="sgd"))
+    runs = [_weights(r) for r in _cluster(str(tmp_path / "bf16"), "--policy", "mixed_bfloat16",
+                                          "--optimizer", "sgd")]
     for worker in runs:
         assert [w.dtype for w in worker] == [np.float32] * len(single)  # float32 variables
         for got, want, other in zip(worker, single, runs[0]):
@@ -50,9 +53,9 @@ def test_mixed_bfloat16_trains_to_single_process_weights(tmp_path):
 
 
 def test_one_workers_overflow_skips_the_step_for_every_variable_and_worker(tmp_path):
-    options = ["--policy", "mixed_float16", "--overflow-step", "4", "--growth-steps", "3"]
-    single = _single(str(tmp_path / "f16"), *options)
-    runs = _cluster(str(tmp_path / "f16"), *options)
+    single = _single(policy="mixed_float16", overflow_step=4, growth_steps=3)
+    runs = _cluster(str(tmp_path / "f16"), "--policy", "mixed_float16", "--overflow-step", "4",
+                    "--growth-steps", "3")
     # Single-process Keras: 3 finite steps double the scale (2**15 -> 2**16), the
     # overflow at step 4 halves it and is not counted, 3 more double it again.
     assert int(single["iterations"]) == STEPS - 1 and float(single["scale"]) == 2.0 ** 16
@@ -60,8 +63,7 @@ def test_one_workers_overflow_skips_the_step_for_every_variable_and_worker(tmp_p
         assert int(run["iterations"]) == int(single["iterations"])
         assert float(run["scale"]) == float(single["scale"])
     # Without the skip the weights would be an Adam step (lr 1e-2) away.
-    unskipped = _weights(_single(str(tmp_path / "plain"), "--policy", "mixed_float16",
-                                 "--growth-steps", "3"))
+    unskipped = _weights(_single(policy="mixed_float16", growth_steps=3))
     for worker in runs:
         for got, want, other, moved in zip(_weights(worker), _weights(single),
                                            _weights(runs[0]), unskipped):

@@ -289,27 +289,23 @@ static int end_now(Core *c) {
     return status;
 }
 
+/* Resizes *array to count items, leaving it as it was if memory runs out. */
+static int resize(void **array, int64_t count, size_t item) {
+    void *p = realloc(*array, (size_t)count * item);
+    if (!p) return -1;
+    *array = p;
+    return 0;
+}
+
 static int add_slots(Core *c) {
     int64_t n = c->n_slots, more = n > 64 ? n : 64, total = n + more;
     size_t d = sizeof(double), i = sizeof(int64_t);
-    double *remaining = realloc(c->remaining, total * d);
-    if (remaining) c->remaining = remaining;
-    double *rate = realloc(c->rate, total * d);
-    if (rate) c->rate = rate;
-    double *weight = realloc(c->weight, total * d);
-    if (weight) c->weight = weight;
-    int64_t *first = realloc(c->first, total * i);
-    if (first) c->first = first;
-    int64_t *second = realloc(c->second, total * i);
-    if (second) c->second = second;
-    int64_t *flow_seq = realloc(c->flow_seq, total * i);
-    if (flow_seq) c->flow_seq = flow_seq;
-    PyObject **done = realloc(c->done, total * sizeof(PyObject *));
-    if (done) c->done = done;
-    int64_t *free_slots = realloc(c->free_slots, total * i);
-    if (free_slots) c->free_slots = free_slots;
-    if (!remaining || !rate || !weight || !first || !second || !flow_seq || !done ||
-        !free_slots) {
+    /* n_slots grows only once all of them have the room. */
+    if (resize((void **)&c->remaining, total, d) || resize((void **)&c->rate, total, d) ||
+        resize((void **)&c->weight, total, d) || resize((void **)&c->first, total, i) ||
+        resize((void **)&c->second, total, i) || resize((void **)&c->flow_seq, total, i) ||
+        resize((void **)&c->done, total, sizeof(PyObject *)) ||
+        resize((void **)&c->free_slots, total, i)) {
         PyErr_NoMemory();
         return -1;
     }

@@ -4,19 +4,18 @@
 with ``rate_lag_s`` > 0 (:mod:`prophet_tf.bench.simulate_rate_lag`), with its
 event queue and flows in native/fluid_core.c: the same events in the same
 order, the same flows' rates and ends, the same results to the last bit, in
-about a third less time at 64 workers (``benchmarks/simulate_speed.py``;
+0.65x the time at 64 workers (docs/records/2026-12-07-compiled-event-core.md;
 the Python path stays as the readable reference the tests compare it with).
 What is left in Python is what a caller sees: link names, the paths' link
 ids and the flows' weights, drawn from the same generator in the same order.
 """
 from __future__ import annotations
 
-import math
 import random
 import types
 from typing import Callable
 
-from prophet_tf.bench.simulate_rate_lag import finite_ids
+from prophet_tf.bench.simulate_rate_lag import finite_ids, weight_and_route
 
 try:
     from prophet_tf._fluid_core import Core
@@ -64,13 +63,10 @@ class CompiledFluidSim(Core):
                    ids: tuple | None | bool = False) -> None:
         """A flow of ``nbytes`` over ``links`` (whose :meth:`route` is ``ids``, or
         looked up if False); ``done`` runs when its last byte is in."""
-        weight = math.exp(self._random.gauss(0.0, self.share_sigma)) if self.share_sigma else 1.0
-        if ids is False:
-            ids = self.route(links)
-        if nbytes <= 0 or ids is None:
-            self.at(self.now, done)
-            return
-        self._start(nbytes, ids[0], ids[1] if len(ids) > 1 else 0, weight, done)
+        started = weight_and_route(self, nbytes, links, done, ids)
+        if started is not None:
+            weight, ids = started
+            self._start(nbytes, ids[0], ids[1] if len(ids) > 1 else 0, weight, done)
 
     @property
     def flows(self) -> list:

@@ -71,7 +71,7 @@ import numpy as np
 
 from prophet_tf.bench import simulate_max_min as max_min
 from prophet_tf.bench.simulate_events import EventQueue
-from prophet_tf.bench.simulate_rate_lag import RateLag, finite_ids
+from prophet_tf.bench.simulate_rate_lag import RateLag, finite_ids, weight_and_route
 
 __all__ = ["FluidSim", "fluid_sim"]
 
@@ -252,12 +252,10 @@ class FluidSim(EventQueue, RateLag):
         lag = self.rate_lag_s
         if not lag:
             self._advance()
-        weight = math.exp(self._random.gauss(0.0, self.share_sigma)) if self.share_sigma else 1.0
-        if ids is False:
-            ids = self.route(links)
-        if nbytes <= 0 or ids is None:
-            self.at(self.now, done)
+        started = weight_and_route(self, nbytes, links, done, ids)
+        if started is None:
             return
+        weight, ids = started
         self._flow_seq += 1
         if not self._free:
             self._grow()

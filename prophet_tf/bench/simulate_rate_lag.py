@@ -19,9 +19,22 @@ import numpy as np
 
 from prophet_tf.bench import simulate_max_min as max_min
 
-__all__ = ["RateLag", "finite_ids"]
+__all__ = ["RateLag", "finite_ids", "weight_and_route"]
 
 _SEQ = operator.attrgetter("seq")  # the order flows started in
+
+
+def weight_and_route(sim, nbytes: float, links: tuple, done, ids) -> tuple | None:
+    """A new flow's weight (drawn whether or not it moves a byte, so the draws
+    follow the flows) and its route (``sim.route(links)`` if ``ids`` is False);
+    None if it has no byte or no link to wait for: ``done`` is queued now."""
+    weight = math.exp(sim._random.gauss(0.0, sim.share_sigma)) if sim.share_sigma else 1.0
+    if ids is False:
+        ids = sim.route(links)
+    if nbytes <= 0 or ids is None:
+        sim.at(sim.now, done)
+        return None
+    return weight, ids
 
 
 def finite_ids(links: tuple, capacity: dict, link_id: dict, new_link) -> tuple | None:

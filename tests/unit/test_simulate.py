@@ -6,17 +6,13 @@ import statistics
 
 import pytest
 
-from simulate_helpers import toy_profile
+from simulate_helpers import TOY, toy_profile
 from prophet_tf.bench import ideal, simulate, simulate_flow_share, simulate_network
 from prophet_tf.ps import shaping
 from prophet_tf.engine import dispatch, schedulers
 
 NAMES = list(schedulers.SCHEDULERS)
 
-
-# A small CNN-like model: small early layers with most compute, big late layers.
-TOY = toy_profile([40_000, 400_000, 4_000_000, 40_000], [0.02, 0.02, 0.005, 0.001],
-               [0.08, 0.05, 0.01, 0.002])
 
 
 @pytest.mark.timeout(60)

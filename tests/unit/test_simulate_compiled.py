@@ -1,25 +1,22 @@
 """The compiled network (native/fluid_core.c) gives the Python rate-lag path's
-results to the last bit, keeps its events in the order of one heap, refuses
-bad input naming it and changing nothing, and is freed with its callbacks."""
+results to the last bit, refuses bad input naming it and changing nothing, and
+is freed with its callbacks (its events' order: test_simulate_events.py)."""
 from __future__ import annotations
 
 import gc
-import heapq
 import math
 import random
 import weakref
 
 import pytest
 
-from simulate_helpers import toy_profile
+from simulate_helpers import TOY
 from prophet_tf.bench import saved_profiles, simulate
 from prophet_tf.bench.simulate_compiled import CompiledFluidSim
 from prophet_tf.bench.simulate_network import FluidSim, fluid_sim
 from prophet_tf.engine import schedulers
 
 NAMES = list(schedulers.SCHEDULERS)
-TOY = toy_profile([40_000, 400_000, 4_000_000, 40_000], [0.02, 0.02, 0.005, 0.001],
-                  [0.08, 0.05, 0.01, 0.002])
 
 
 @pytest.mark.timeout(240)
@@ -85,42 +82,6 @@ def test_flows_end_and_share_as_in_python():
     ended, loads = compiled
     assert ended["x"] == 1.5 and ended["y"] == 2.0 and ended["empty"] == 3.4
     assert all(rate <= 100.0 for load in loads for rate in load.values())
-
-
-@pytest.mark.timeout(60)
-def test_events_run_in_the_order_of_one_heap():
-    """Events queued for now, later and in sorted batches from inside events
-    run in (time, place) order, as one heap of every event would run them."""
-    rng = random.Random(5)
-    sim, ran = CompiledFluidSim({}, rate_lag_s=0.1), []
-    heap, seq = [], [0]
-
-    def queue_some(depth):
-        for _ in range(rng.randint(0, 3)):
-            t = sim.now + rng.choice([0.0, 0.0, 1.0, 2.0, rng.random()])
-            seq[0] += 1
-            heapq.heappush(heap, (max(t, sim.now), seq[0]))
-            sim.at(t, make(seq[0], depth))
-        if rng.random() < 0.3:
-            times = sorted(sim.now + rng.choice([0.0, 1.0, rng.random()]) for _ in range(4))
-            batch = []
-            for t in times:
-                seq[0] += 1
-                heapq.heappush(heap, (t, seq[0]))
-                batch.append((t, make(seq[0], depth)))
-            sim.at_sorted(batch)
-
-    def make(name, depth):
-        def fn():
-            ran.append((sim.now, name))
-            if depth < 4:
-                queue_some(depth + 1)
-        return fn
-
-    queue_some(0)
-    sim.run(until=lambda: False)  # until none are left
-    assert len(ran) == len(heap) > 50
-    assert ran == sorted(heap)
 
 
 @pytest.mark.timeout(60)

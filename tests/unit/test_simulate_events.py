@@ -1,6 +1,7 @@
 """The simulator's shortcuts give what the straightforward computations give:
-the event queue's order is one heap's, the max-min levels' one-link rounds
-are the matrix product's, and the compiled rates are numpy's."""
+the event queues' order (Python and compiled) is one heap's, the max-min
+levels' one-link rounds are the matrix product's, and the compiled rates are
+numpy's."""
 from __future__ import annotations
 
 import heapq
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from prophet_tf.bench import simulate_max_min
+from prophet_tf.bench.simulate_compiled import CompiledFluidSim
 from prophet_tf.bench.simulate_events import EventQueue
 
 
@@ -20,11 +22,21 @@ class _Recording(EventQueue):
             fn()
 
 
-def test_events_run_in_the_order_of_one_heap():
+class _Compiled(CompiledFluidSim):
+    def __init__(self):
+        super().__init__({}, rate_lag_s=0.1)
+
+    def run(self):
+        super().run(until=lambda: False)  # until none are left
+
+
+@pytest.mark.parametrize("queue_type", [_Recording, _Compiled])
+def test_events_run_in_the_order_of_one_heap(queue_type):
     """Events queued for now, later, and in sorted batches, from inside events:
-    run in (time, place) order, as a single heap of every event would run them."""
+    run in (time, place) order, as a single heap of every event would run them
+    (the Python queue, and the compiled one of native/fluid_core.c)."""
     rng = random.Random(5)
-    queue, ran = _Recording(), []
+    queue, ran = queue_type(), []
     heap, seq = [], [0]  # the reference: every event in one heap
 
     def queue_some(depth):

@@ -435,7 +435,10 @@ static PyObject *core_start(PyObject *self, PyObject *args) {
                      (long long)c->n_links, args);
         return NULL;
     }
-    if (!c->n_free && add_slots(c)) return NULL;
+    /* Room first: a failure leaves nothing half started. */
+    if ((!c->n_free && add_slots(c)) ||
+        grow((void **)&c->late, &c->cap_late, c->n_late + 1, sizeof(Late)))
+        return NULL;
     int64_t slot = c->free_slots[--c->n_free];
     if (slot >= c->slots_used) c->slots_used = slot + 1;
     c->flow_seq[slot] = ++c->flows_started;
@@ -453,7 +456,6 @@ static PyObject *core_start(PyObject *self, PyObject *args) {
         spare[a] -= rate;
         if (b) spare[b] -= rate;
         left += rate * (c->now - c->last);  /* as of last, as the other flows' */
-        if (grow((void **)&c->late, &c->cap_late, c->n_late + 1, sizeof(Late))) return NULL;
         c->late[c->n_late] = (Late){c->now + nbytes / rate, c->flow_seq[slot], slot};
         late_up(c->late, c->n_late++);
         next_end(c);

@@ -4,6 +4,8 @@
   and the flows crossing its links. The two are one object because a flow's
   end is an event that moves whenever another flow starts or ends on a link
   it shares.
+- :func:`fluid_sim`: a ``FluidSim``, or with a rate lag its compiled equal
+  (:mod:`prophet_tf.bench.simulate_compiled`, the same results to the bit).
 - the max-min fair rates of its flows: :mod:`prophet_tf.bench.simulate_max_min`;
   the links of a cluster layout: :mod:`prophet_tf.bench.simulate_links`; the
   queue's order of events: :mod:`prophet_tf.bench.simulate_events`.

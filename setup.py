@@ -116,10 +116,20 @@ def compile_fluid_core(output: pathlib.Path):
     filling it calls, into a CPython extension (stable ABI). No fused
     multiply-adds: its float operations are the Python path's, to the bit."""
     import sysconfig
+    include = pathlib.Path(sysconfig.get_paths()["include"])
+    if not (include / "Python.h").is_file():
+        # Only the simulator needs it, and it has a Python path with the same
+        # results: the rest of the package must still install.
+        print(f"WARNING: not building the simulator's compiled core: Python's headers "
+              f"are not in {include} (Debian and Ubuntu: apt install python3-dev). "
+              f"`prophet-tf simulate` runs its Python path, with the same results, slower.",
+              flush=True)
+        output.unlink(missing_ok=True)
+        return
     cc = os.environ.get("CC", "gcc")
     cmd = [cc, "-shared", "-fPIC", "-O2", "-ffp-contract=off", "-Wall", "-Wextra",
-           f"-I{sysconfig.get_paths()['include']}", str(FLUID_CORE_SOURCE),
-           str(MAX_MIN_SOURCE), "-o", str(output), "-lm"]
+           f"-I{include}", str(FLUID_CORE_SOURCE), str(MAX_MIN_SOURCE), "-o", str(output),
+           "-lm"]
     print(" ".join(cmd), flush=True)
     subprocess.check_call(cmd)
 
@@ -144,7 +154,8 @@ class BuildOps(build_ext):
             dest = pathlib.Path(self.build_lib) / "prophet_tf"
             dest.mkdir(parents=True, exist_ok=True)
             for name in (*NATIVE_LIBRARIES, "_build_info.json"):
-                self.copy_file(str(PACKAGE / name), str(dest / name))
+                if (PACKAGE / name).is_file():  # the compiled core may be left out
+                    self.copy_file(str(PACKAGE / name), str(dest / name))
 
     def get_outputs(self):
         return [os.path.join(self.build_lib, "prophet_tf", name)

@@ -65,6 +65,7 @@ Fitting ``share_sigma`` to measured links is
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import random
 from typing import Callable
@@ -76,6 +77,8 @@ from prophet_tf.bench.simulate_events import EventQueue
 from prophet_tf.bench.simulate_rate_lag import RateLag, finite_ids, weight_and_route
 
 __all__ = ["FluidSim", "fluid_sim"]
+
+logger = logging.getLogger(__name__)
 
 #: A flow with at most this many bytes left is done (float rounding).
 _DONE_BYTES = 1e-3
@@ -115,11 +118,23 @@ class _Flow:
 def fluid_sim(capacity: dict, share_sigma: float = 0.0, seed: int = 0,
               rate_lag_s: float = 0.0, compiled: bool = True):
     """A :class:`FluidSim`; with a rate lag and ``compiled``, its compiled
-    equal (:mod:`prophet_tf.bench.simulate_compiled`: the same results to the bit)."""
+    equal (:mod:`prophet_tf.bench.simulate_compiled`: the same results to the
+    bit), or where that was not built (no Python headers at install) the
+    Python path, with a warning once."""
     if compiled and rate_lag_s:
-        from prophet_tf.bench.simulate_compiled import CompiledFluidSim
-        return CompiledFluidSim(capacity, share_sigma, seed, rate_lag_s)
+        try:
+            from prophet_tf.bench.simulate_compiled import CompiledFluidSim
+        except ImportError as e:
+            if not _not_compiled:  # once per process: a sweep makes many
+                _not_compiled.append(e)
+                logger.warning("%s; simulating with the Python path (the same results, "
+                               "slower)", e)
+        else:
+            return CompiledFluidSim(capacity, share_sigma, seed, rate_lag_s)
     return FluidSim(capacity, share_sigma, seed, rate_lag_s=rate_lag_s)
+
+
+_not_compiled: list[ImportError] = []  # the compiled network's import error, once met
 
 
 class FluidSim(EventQueue, RateLag):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import math
 import random
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -46,6 +48,29 @@ def test_a_rate_lag_is_compiled_unless_asked_not_to():
     assert type(fluid_sim({"a": 1.0}, rate_lag_s=0.1)) is CompiledFluidSim
     assert type(fluid_sim({"a": 1.0}, rate_lag_s=0.1, compiled=False)) is FluidSim
     assert type(fluid_sim({"a": 1.0})) is FluidSim  # no lag: the Python classes' path
+
+
+# An install without Python's headers has no compiled core: import it as absent.
+_WITHOUT_CORE = """
+import logging, sys
+sys.modules["prophet_tf._fluid_core"] = None
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+from prophet_tf.bench import simulate_network
+for _ in range(3):
+    sim = simulate_network.fluid_sim({"a": 1.0}, rate_lag_s=0.1)
+print(type(sim).__name__)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_without_the_compiled_core_the_python_path_runs_with_one_warning():
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_CORE], capture_output=True,
+                         text=True, timeout=50)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "FluidSim"
+    warnings = [line for line in run.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "compiled simulator core was not built" in warnings[0]
+    assert "the same results, slower" in warnings[0]
 
 
 def _flows_as_lagged(sim_type):

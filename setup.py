@@ -158,8 +158,9 @@ class BuildOps(build_ext):
                     self.copy_file(str(PACKAGE / name), str(dest / name))
 
     def get_outputs(self):
+        # As run() copies them: the compiled core may have been left out.
         return [os.path.join(self.build_lib, "prophet_tf", name)
-                for name in NATIVE_LIBRARIES]
+                for name in NATIVE_LIBRARIES if (PACKAGE / name).is_file()]
 
 
 class BdistWheel(bdist_wheel):

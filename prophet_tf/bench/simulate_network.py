@@ -64,6 +64,7 @@ Fitting ``share_sigma`` to measured links is
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import math
@@ -121,20 +122,21 @@ def fluid_sim(capacity: dict, share_sigma: float = 0.0, seed: int = 0,
     equal (:mod:`prophet_tf.bench.simulate_compiled`: the same results to the
     bit), or where that was not built (no Python headers at install) the
     Python path, with a warning once."""
-    if compiled and rate_lag_s:
-        try:
-            from prophet_tf.bench.simulate_compiled import CompiledFluidSim
-        except ImportError as e:
-            if not _not_compiled:  # once per process: a sweep makes many
-                _not_compiled.append(e)
-                logger.warning("%s; simulating with the Python path (the same results, "
-                               "slower)", e)
-        else:
-            return CompiledFluidSim(capacity, share_sigma, seed, rate_lag_s)
+    compiled_type = _compiled_type() if compiled and rate_lag_s else None
+    if compiled_type is not None:
+        return compiled_type(capacity, share_sigma, seed, rate_lag_s)
     return FluidSim(capacity, share_sigma, seed, rate_lag_s=rate_lag_s)
 
 
-_not_compiled: list[ImportError] = []  # the compiled network's import error, once met
+@functools.cache  # once per process: a sweep makes many networks
+def _compiled_type():
+    """``CompiledFluidSim``, or None (warned) where it was not built."""
+    try:
+        from prophet_tf.bench.simulate_compiled import CompiledFluidSim
+    except ImportError as e:
+        logger.warning("%s; simulating with the Python path (the same results, slower)", e)
+        return None
+    return CompiledFluidSim
 
 
 class FluidSim(EventQueue, RateLag):

@@ -74,13 +74,20 @@ def start(args: list[str], tmp: str, root: pathlib.Path = ROOT) -> tuple[subproc
     proc = subprocess.Popen([sys.executable, "-m", "prophet_tf.tools._die_with_parent",
                              str(os.getpid()), sys.executable, *args, "--port-file", port_file],
                             env=env, cwd=root)
+    return proc, wait_for_port(proc, port_file, args)
+
+
+def wait_for_port(proc: subprocess.Popen, port_file: str, args: list[str]) -> int:
+    """The port a server started as ``args`` wrote to ``port_file`` (killed if it
+    does not within 2 minutes)."""
     deadline = time.monotonic() + 120
     while not os.path.exists(port_file):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
+            proc.wait()
             raise RuntimeError(f"{args} did not start (exit code {proc.poll()})")
         time.sleep(0.05)
-    return proc, int(pathlib.Path(port_file).read_text())
+    return int(pathlib.Path(port_file).read_text())
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -136,36 +143,74 @@ def bare_server(port_file: str) -> int:
     return 0
 
 
+class BareClient:
+    """grpcio's client of bare servers (``sizes[i]``: server i's message sizes):
+    one step's traffic at a time, as bench_transport's PS steps send it."""
+
+    def __init__(self, ports: list[int], sizes: list[list[int]], inflight: int):
+        import grpc
+
+        self.channels = [grpc.insecure_channel(f"127.0.0.1:{port}",
+                                               options=protocol.channel_options())
+                         for port in ports]
+        pushes = [c.unary_unary("/bare.Bare/Push") for c in self.channels]
+        self.pulls = [c.unary_stream("/bare.Bare/Pull") for c in self.channels]
+        self.payloads = [(push, b"\0" * size) for push, own in zip(pushes, sizes) for size in own]
+        self.requests = [f"{len(own)} {max(own)}".encode() for own in sizes]
+        self.pool = concurrent.futures.ThreadPoolExecutor(inflight)
+        self.pullers = concurrent.futures.ThreadPoolExecutor(len(ports))
+
+    def step(self) -> float:
+        """Every push, a Pull stream per server beside them: the wall time."""
+        t = time.perf_counter()
+        pulled = [self.pullers.submit(lambda p=p, r=r: sum(len(m) for m in p(r, timeout=60)))
+                  for p, r in zip(self.pulls, self.requests)]
+        for f in [self.pool.submit(push, payload, timeout=60) for push, payload in self.payloads]:
+            f.result()
+        for f in pulled:
+            f.result()
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.pullers.shutdown()
+        for channel in self.channels:
+            channel.close()
+
+
 def bare_steps(ports: list[int], sizes: list[list[int]], reps: int, inflight: int,
                servers: list[int]) -> dict:
     """The same traffic through bare servers (``sizes[i]``: server i's message
     sizes): wall time and CPU per step of this client and of the servers."""
-    import grpc
-
-    channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=protocol.channel_options())
-                for port in ports]
-    pushes = [c.unary_unary("/bare.Bare/Push") for c in channels]
-    pulls = [c.unary_stream("/bare.Bare/Pull") for c in channels]
-    payloads = [(push, b"\0" * size) for push, own in zip(pushes, sizes) for size in own]
-    requests = [f"{len(own)} {max(own)}".encode() for own in sizes]
+    client = BareClient(ports, sizes, inflight)
     times = []
-    with concurrent.futures.ThreadPoolExecutor(inflight) as pool, \
-            concurrent.futures.ThreadPoolExecutor(len(ports)) as pullers:
+    try:
         for rep in range(reps + 1):
             if rep == 1:
                 cpu0 = cpu_seconds(), sum(cpu_seconds(pid) for pid in servers)
-            t = time.perf_counter()
-            pulled = [pullers.submit(lambda p=p, r=r: sum(len(m) for m in p(r, timeout=60)))
-                      for p, r in zip(pulls, requests)]
-            for f in [pool.submit(push, payload, timeout=60) for push, payload in payloads]:
-                f.result()
-            for f in pulled:
-                f.result()
-            times.append(time.perf_counter() - t)
-    cpu = (cpu_seconds() - cpu0[0]) / reps, (sum(map(cpu_seconds, servers)) - cpu0[1]) / reps
-    for channel in channels:
-        channel.close()
+            times.append(client.step())
+        cpu = (cpu_seconds() - cpu0[0]) / reps, (sum(map(cpu_seconds, servers)) - cpu0[1]) / reps
+    finally:
+        client.close()
     return {"step_s": times[1:], "client_cpu_s": cpu[0], "server_cpu_s": cpu[1]}
+
+
+def partition_sizes(shapes: list, num_ps: int) -> list[list[int]]:
+    """Each PS task's partitions' bytes, in its pull order, for float32 variables
+    of ``shapes`` cut as the engine cuts them."""
+    plan = sharding.plan(variable_specs(shapes), num_ps, spread=True)
+    return [[p.nbytes for p in sharding.owned_by(plan, i)] for i in range(num_ps)]
+
+
+def variable_specs(shapes: list) -> list:
+    return [ps_pb2.VariableSpec(key=i, name=f"dense_{i}/kernel", shape=s, dtype="float32",
+                                priority=i) for i, s in enumerate(shapes)]
+
+
+def model_shapes(mb: float, variables: int) -> list[tuple[int, int]]:
+    """``variables`` float32 matrices of 1000 columns, ``mb`` MB in all."""
+    cols = 1000
+    return [(int(mb * 1e6 / 4 / cols / variables), cols)] * variables
 
 
 class PSSet:
@@ -175,8 +220,7 @@ class PSSet:
 
     def __init__(self, shapes: list, inflight: int, num_ps: int, tmp: str,
                  root: pathlib.Path = ROOT):
-        specs = [ps_pb2.VariableSpec(key=i, name=f"dense_{i}/kernel", shape=s, dtype="float32",
-                                     priority=i) for i, s in enumerate(shapes)]
+        specs = variable_specs(shapes)
         plan = sharding.plan(specs, num_ps, spread=True)
         self.partitions = len(plan)
         self.owned = [sharding.owned_by(plan, i) for i in range(num_ps)]
@@ -282,7 +326,6 @@ def ps_steps(sets: list[PSSet], reps: int) -> list[dict]:
     for ps_set, t, (client, ps), one in zip(sets, times, cpu, alone):
         ps_set.check()
         results.append({"partitions": ps_set.partitions,
-                        "sizes": [[p.nbytes for p in own] for own in ps_set.owned],
                         "step_s": t[1:], "push_s": [a[0] for a in one[1:]],
                         "pull_s": [a[1] for a in one[1:]],
                         "client_cpu_s": client / reps, "ps_cpu_s": ps / reps})
@@ -321,9 +364,7 @@ def main(argv=None) -> int:
             trees.check_imports_from(root, ENV)
     codec.tune_allocator()  # as a worker would; the PS main does it too
 
-    cols = 1000
-    rows = int(args.mb * 1e6 / 4 / cols / args.variables)
-    shapes = [(rows, cols)] * args.variables
+    shapes = model_shapes(args.mb, args.variables)
     model_bytes = sum(4 * r * c for r, c in shapes)
 
     src = np.ones(model_bytes // 4, np.float32)
@@ -352,7 +393,8 @@ def main(argv=None) -> int:
                 run["baseline"] = measured[1]
             bare = [start([__file__, "--bare-server"], tmp) for _ in range(num_ps)]
             try:
-                run["bare"] = bare_steps([port for _, port in bare], run["prophet"]["sizes"],
+                run["bare"] = bare_steps([port for _, port in bare],
+                                         partition_sizes(shapes, num_ps),
                                          args.reps, args.inflight, [p.pid for p, _ in bare])
             finally:
                 for proc, _ in bare:
@@ -383,9 +425,6 @@ def main(argv=None) -> int:
         config.update(model_bytes=model_bytes, cores=os.cpu_count(), commit=trees.commit(ROOT))
         if baseline is not None:
             config.update(baseline_root=str(baseline), baseline_commit=trees.commit(baseline))
-        for run in runs:
-            for side in ("prophet", "baseline"):
-                run.get(side, {}).pop("sizes", None)
         with open(args.json, "w") as f:
             json.dump({"config": config, "memcpy_s": memcpy, "runs": runs}, f, indent=1)
     return 0

@@ -1,10 +1,12 @@
-"""The docs' table of ``benchmarks/bench_transport.py``: push + apply + pull on
-loopback against bare gRPC, rate and CPU (``prophet-tf report``'s ``transport`` kind)."""
+"""The docs' tables of the transport on loopback, rate and CPU: ``benchmarks/
+bench_transport.py``'s push + apply + pull against bare gRPC (``prophet-tf
+report``'s ``transport`` kind) and ``benchmarks/bench_grpc_floor.py``'s gRPC
+from Python and C++ beside TCP and TensorFlow's ring (``grpc_floor``)."""
 from __future__ import annotations
 
 import statistics
 
-__all__ = ["transport_table", "cpu_per_gb"]
+__all__ = ["transport_table", "grpc_floor_table", "cpu_per_gb"]
 
 
 def _rate(seconds: list[float], nbytes: int) -> str:
@@ -54,4 +56,36 @@ def transport_table(result: dict) -> str:
                  "GB/s." + (f" The PS processes of commits {config['baseline_commit']} and "
                             f"{config['commit']} took turns step by step."
                             if "baseline_commit" in config else ""))
+    return "\n".join(lines) + "\n"
+
+
+#: ``benchmarks/bench_grpc_floor.py``'s pairs whose CPU is one figure, both ends'.
+_BOTH_ENDS = {"tcp": "TCP sockets, no gRPC", "tf-ring": "TensorFlow's ring (2 workers)"}
+
+
+def grpc_floor_table(result: dict) -> str:
+    """Markdown lines of ``benchmarks/bench_grpc_floor.py``: a row per server
+    count and pair (client kind / server kind), GB/s of model bytes (median and
+    spread) and CPU-seconds per GB on the wire of each side and both."""
+    config = result["config"]
+    size = config["model_bytes"]
+    lines = ["| servers | client / server | GB/s | CPU-s/GB client | CPU-s/GB servers | "
+             "CPU-s/GB both |", "|---|---|---|---|---|---|"]
+    for run in result["runs"]:
+        for pair in run["pairs"].values():
+            both = _per_gb(pair["client_cpu_s"] + pair["server_cpu_s"], size)
+            if pair["client"] in _BOTH_ENDS:
+                name, split = _BOTH_ENDS[pair["client"]], "– | –"
+            else:
+                name = f"{pair['client']} / {pair['server']}"
+                split = (f"{_per_gb(pair['client_cpu_s'], size)} | "
+                         f"{_per_gb(pair['server_cpu_s'], size)}")
+            lines.append(f"| {run['ps']} | {name} | {_rate(pair['step_s'], size)} | {split} | "
+                         f"{both} |")
+    lines.append("")
+    lines.append(f"A {size / 1e6:.0f} MB float32 model cut in partitions over the servers, "
+                 f"{config['inflight']} pushes in flight, on loopback; every pair took turns "
+                 f"step by step; median (min–max) of {config['reps']} steps after a warm-up; "
+                 f"{config['cores']} cores; gRPC C++ {config['grpc_cpp']}, grpcio "
+                 f"{config['grpcio']}; commit {config['commit']}.")
     return "\n".join(lines) + "\n"

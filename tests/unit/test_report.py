@@ -293,6 +293,29 @@ def test_a_transport_table_has_rates_and_cpu_per_gb_of_each_side_per_ps_count():
     assert lines[-1].endswith("The PS processes of commits aaa and bbb took turns step by step.")
 
 
+def test_a_grpc_floor_table_splits_cpu_by_side_except_where_both_ends_are_one_figure():
+    from prophet_tf.bench import transport_table
+
+    def pair(client, server, client_cpu, server_cpu):  # a 1 GB model: 2 GB on the wire
+        return {"client": client, "server": server, "step_s": [1.0, 2.0, 4.0],
+                "client_cpu_s": client_cpu, "server_cpu_s": server_cpu}
+    result = {"config": {"model_bytes": 10**9, "inflight": 4, "reps": 3, "cores": 2,
+                         "grpc_cpp": "1.51.1", "grpcio": "1.60.0", "commit": "abc"}}
+    one = {"c++/c++": pair("c++", "c++", 0.6, 0.8), "tcp/tcp": pair("tcp", "tcp", 0.9, 0.0),
+           "tf-ring/tf-ring": pair("tf-ring", "tf-ring", 7.0, 0.0)}
+    result["runs"] = [{"ps": 1, "pairs": one},
+                      {"ps": 2, "pairs": {"grpcio/c++": pair("grpcio", "c++", 1.0, 0.4)}}]
+    lines = transport_table.grpc_floor_table(result).splitlines()
+    assert lines[0] == ("| servers | client / server | GB/s | CPU-s/GB client | CPU-s/GB servers | "
+                        "CPU-s/GB both |")
+    assert lines[2] == "| 1 | c++ / c++ | 0.50 (0.25–1.00) | 0.30 | 0.40 | 0.70 |"
+    assert lines[3] == "| 1 | TCP sockets, no gRPC | 0.50 (0.25–1.00) | – | – | 0.45 |"
+    assert lines[4] == ("| 1 | TensorFlow's ring (2 workers) | 0.50 (0.25–1.00) | – | – | "
+                        "3.50 |")
+    assert lines[5] == "| 2 | grpcio / c++ | 0.50 (0.25–1.00) | 0.50 | 0.20 | 0.70 |"
+    assert lines[-1].endswith("gRPC C++ 1.51.1, grpcio 1.60.0; commit abc.")
+
+
 def test_a_speed_table_has_each_checkouts_wall_cpu_and_step_times():
     from prophet_tf.bench import speed_table
 

@@ -32,6 +32,11 @@ Per pair: the wall time of a step, and the CPU of the client and of the
 servers per step, as CPU-seconds per GB on the wire (the model both ways).
 Median and spread over ``--reps`` steps after a warm-up; ``prophet-tf
 report``'s ``grpc_floor`` kind renders the JSON.
+
+With ``--messages N``, the four gRPC pairs also take turns on a step of N
+small pushes (``--message-bytes``) to one server while its Pull stream
+brings N messages of that size back: the CPU of a message, not of a byte
+(the ``grpc_messages`` kind).
 """
 
 from __future__ import annotations
@@ -289,6 +294,31 @@ def pairs_in_turns(clients: dict, servers: dict, reps: int) -> dict:
             for c, s in names}
 
 
+def grpc_pairs(binary: str, tmp: str, sizes: list[list[int]], reps: int, inflight: int,
+               extra=None) -> dict:
+    """The four gRPC pairs on one server set per kind (``sizes[i]``: server i's
+    messages), and any ``extra(clients, servers)`` adds, in turns."""
+    procs, clients = [], {}
+    try:
+        for _ in sizes:
+            procs.append(("grpcio", *transport.start([transport.__file__, "--bare-server"],
+                                                     tmp)))
+            procs.append(("c++", *start_native_server(binary, tmp)))
+        servers = {kind: [p.pid for k, p, _ in procs if k == kind] for kind in KINDS}
+        ports = {kind: [port for k, _, port in procs if k == kind] for kind in KINDS}
+        for server in KINDS:
+            clients["grpcio", server] = GrpcioClient(ports[server], sizes, inflight)
+            clients["c++", server] = NativeClient(binary, ports[server], sizes, inflight)
+        if extra is not None:
+            extra(clients, servers)
+        return pairs_in_turns(clients, servers, reps)
+    finally:
+        for client in clients.values():
+            client.close()
+        for _, proc, _ in procs:
+            transport.stop(proc)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=100.0, help="model size in MB (1e6 bytes)")
@@ -296,6 +326,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--inflight", type=int, default=4, help="concurrent push requests")
     parser.add_argument("--ps", default="1", help="comma-separated server counts (default 1)")
+    parser.add_argument("--messages", type=int, default=0,
+                        help="also a step of this many small pushes and as many pulled "
+                             "messages through one server, for the cost per message")
+    parser.add_argument("--message-bytes", type=int, default=1000)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--ring-worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ring-ports", help=argparse.SUPPRESS)
@@ -305,55 +339,52 @@ def main(argv=None) -> int:
         return ring_worker(args.ring_worker, [int(p) for p in args.ring_ports.split(",")],
                            args.ring_bytes)
     counts = [int(n) for n in args.ps.split(",")]
-    if not counts or min(counts) < 1 or args.reps < 1 or args.mb <= 0 or args.inflight < 1:
-        parser.error(f"--ps takes counts >= 1, --reps and --inflight >= 1, --mb > 0. Received: "
-                     f"--ps={args.ps} --reps={args.reps} --inflight={args.inflight} "
-                     f"--mb={args.mb}")
+    if (not counts or min(counts) < 1 or args.reps < 1 or args.mb <= 0 or args.inflight < 1
+            or args.messages < 0 or args.message_bytes < 0):
+        parser.error(f"--ps takes counts >= 1, --reps and --inflight >= 1, --mb > 0, "
+                     f"--messages and --message-bytes >= 0. Received: --ps={args.ps} "
+                     f"--reps={args.reps} --inflight={args.inflight} --mb={args.mb} "
+                     f"--messages={args.messages} --message-bytes={args.message_bytes}")
     shapes = transport.model_shapes(args.mb, args.variables)
     model_bytes = sum(4 * r * c for r, c in shapes)
-    runs = []
+    runs, messages = [], None
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(tmp)
         for num_ps in counts:
             sizes = transport.partition_sizes(shapes, num_ps)
-            procs, clients = [], {}
-            try:
-                for _ in range(num_ps):
-                    procs.append(("grpcio", *transport.start([transport.__file__,
-                                                              "--bare-server"], tmp)))
-                    procs.append(("c++", *start_native_server(binary, tmp)))
-                servers = {kind: [p.pid for k, p, _ in procs if k == kind] for kind in KINDS}
-                servers["tcp"] = []  # both ends in this process: the client's CPU
-                ports = {kind: [port for k, _, port in procs if k == kind] for kind in KINDS}
-                for server in KINDS:
-                    clients["grpcio", server] = GrpcioClient(ports[server], sizes, args.inflight)
-                    clients["c++", server] = NativeClient(binary, ports[server], sizes,
-                                                          args.inflight)
+
+            def others(clients, servers, num_ps=num_ps, sizes=sizes):
                 clients["tcp", "tcp"] = TcpPair(sizes)
+                servers["tcp"] = []  # both ends in this process: the client's CPU
                 clients["prophet_tf", "ps"] = PSPath(shapes, args.inflight, num_ps, tmp)
                 servers["ps"] = clients["prophet_tf", "ps"].pids
                 if num_ps == 1:  # the ring's traffic does not depend on the PS count
                     clients["tf-ring", "tf-ring"] = TfRing(model_bytes)
                     servers["tf-ring"] = []  # both workers' CPU: the client's
-                pairs = pairs_in_turns(clients, servers, args.reps)
-            finally:
-                for client in clients.values():
-                    client.close()
-                for _, proc, _ in procs:
-                    transport.stop(proc)
+
+            pairs = grpc_pairs(binary, tmp, sizes, args.reps, args.inflight, others)
             runs.append({"ps": num_ps, "partitions": sum(map(len, sizes)), "pairs": pairs})
             for name, pair in pairs.items():
-                print(f"{num_ps} server(s), {name:>13} client/server: "
+                print(f"{num_ps} server(s), {name:>15}: "
                       f"{transport.summary(pair['step_s'], model_bytes)}; CPU-s per GB: client "
                       f"{transport.per_gb(pair['client_cpu_s'], model_bytes):.2f}, servers "
                       f"{transport.per_gb(pair['server_cpu_s'], model_bytes):.2f}")
+        if args.messages:
+            pairs = grpc_pairs(binary, tmp, [[args.message_bytes] * args.messages], args.reps,
+                               args.inflight)
+            messages = {"count": args.messages, "bytes": args.message_bytes, "pairs": pairs}
+            for name, pair in pairs.items():
+                per = 1e6 / (2 * args.messages)  # a push and a pulled message each
+                print(f"{args.message_bytes}-byte messages, {name:>13}: CPU µs per message: "
+                      f"client {pair['client_cpu_s'] * per:.0f}, server "
+                      f"{pair['server_cpu_s'] * per:.0f}")
     if args.json:
         config = {k: v for k, v in vars(args).items() if k == "json" or not k.startswith("ring")}
         config.pop("json")
         config.update(model_bytes=model_bytes, cores=os.cpu_count(), commit=trees.commit(ROOT),
                       grpc_cpp=grpc_version(), grpcio=__import__("grpc").__version__)
         with open(args.json, "w") as f:
-            json.dump({"config": config, "runs": runs}, f, indent=1)
+            json.dump({"config": config, "runs": runs, "messages": messages}, f, indent=1)
     return 0
 
 

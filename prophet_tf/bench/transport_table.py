@@ -1,12 +1,13 @@
 """The docs' tables of the transport on loopback, rate and CPU: ``benchmarks/
 bench_transport.py``'s push + apply + pull against bare gRPC (``prophet-tf
 report``'s ``transport`` kind) and ``benchmarks/bench_grpc_floor.py``'s gRPC
-from Python and C++ beside TCP and TensorFlow's ring (``grpc_floor``)."""
+from Python and C++ beside TCP and TensorFlow's ring (``grpc_floor``), and
+the CPU of a small message (``grpc_messages``)."""
 from __future__ import annotations
 
 import statistics
 
-__all__ = ["transport_table", "grpc_floor_table", "cpu_per_gb"]
+__all__ = ["transport_table", "grpc_floor_table", "grpc_messages_table", "cpu_per_gb"]
 
 
 def _rate(seconds: list[float], nbytes: int) -> str:
@@ -88,4 +89,30 @@ def grpc_floor_table(result: dict) -> str:
                  f"step by step; median (min–max) of {config['reps']} steps after a warm-up; "
                  f"{config['cores']} cores; gRPC C++ {config['grpc_cpp']}, grpcio "
                  f"{config['grpcio']}; commit {config['commit']}.")
+    return "\n".join(lines) + "\n"
+
+
+def grpc_messages_table(result: dict) -> str:
+    """Markdown lines of ``benchmarks/bench_grpc_floor.py --messages``: per gRPC
+    pair, the CPU of one small message (a push or a pulled message) at the
+    client, at the server and both, and the wall time of one."""
+    runs = result["messages"]
+    per = 1e6 / (2 * runs["count"])  # µs per message: a push and a pulled message each
+    lines = ["| client / server | CPU µs client | CPU µs server | CPU µs both | wall µs |",
+             "|---|---|---|---|---|"]
+    for pair in runs["pairs"].values():
+        wall = sorted(pair["step_s"])
+        lines.append(f"| {pair['client']} / {pair['server']} | {pair['client_cpu_s'] * per:.0f} | "
+                     f"{pair['server_cpu_s'] * per:.0f} | "
+                     f"{(pair['client_cpu_s'] + pair['server_cpu_s']) * per:.0f} | "
+                     f"{wall[len(wall) // 2] * per:.0f} "
+                     f"({wall[0] * per:.0f}–{wall[-1] * per:.0f}) |")
+    config = result["config"]
+    lines.append("")
+    lines.append(f"Per message, in steps of {runs['count']} pushes of {runs['bytes']} bytes to one "
+                 f"server ({config['inflight']} in flight) while its Pull stream brings "
+                 f"{runs['count']} messages of that size back; CPU per step over the "
+                 f"{2 * runs['count']} messages, wall the median (min–max) step's; "
+                 f"{config['reps']} steps after a warm-up, the pairs in turns; gRPC C++ "
+                 f"{config['grpc_cpp']}, grpcio {config['grpcio']}; commit {config['commit']}.")
     return "\n".join(lines) + "\n"

@@ -316,6 +316,21 @@ def test_a_grpc_floor_table_splits_cpu_by_side_except_where_both_ends_are_one_fi
     assert lines[-1].endswith("gRPC C++ 1.51.1, grpcio 1.60.0; commit abc.")
 
 
+def test_a_grpc_messages_table_has_each_pairs_cpu_and_wall_per_message():
+    from prophet_tf.bench import transport_table
+
+    # 500 pushes and 500 pulled messages a step: 1000 messages.
+    pairs = {"c++/grpcio": {"client": "c++", "server": "grpcio", "step_s": [0.3, 0.1, 0.2],
+                            "client_cpu_s": 0.05, "server_cpu_s": 0.15}}
+    result = {"config": {"inflight": 4, "reps": 3, "grpc_cpp": "1.51.1", "grpcio": "1.60.0",
+                         "commit": "abc"},
+              "messages": {"count": 500, "bytes": 1000, "pairs": pairs}}
+    lines = transport_table.grpc_messages_table(result).splitlines()
+    assert lines[2] == "| c++ / grpcio | 50 | 150 | 200 | 200 (100–300) |"
+    assert lines[-1].startswith("Per message, in steps of 500 pushes of 1000 bytes to one server")
+    assert "over the 1000 messages" in lines[-1]
+
+
 def test_a_speed_table_has_each_checkouts_wall_cpu_and_step_times():
     from prophet_tf.bench import speed_table
 

@@ -371,9 +371,8 @@ _KINDS = {"bench": bench_table, "suite": suite_table, "targets": targets_table,
           "validate": validate_table, "runs": runs_table, "phases": phases_table,
           "events": events_table, "flowshare": flow_share_table, "cuts": cut_table.cuts_table,
           "sweep": sweep_table.sweep_table, "profile": profile_table.profile_table,
-          "transport": transport_table.transport_table, "leads": leads_table.leads_table,
-          "simspeed": speed_table.speed_table, "grpc_floor": transport_table.grpc_floor_table,
-          "grpc_messages": transport_table.grpc_messages_table}
+          "leads": leads_table.leads_table, "simspeed": speed_table.speed_table,
+          **transport_table.KINDS}
 
 
 def environment_table(module: str) -> str:

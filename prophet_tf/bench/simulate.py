@@ -40,8 +40,9 @@ in lockstep, so one is simulated and every PS link is shared W ways):
 - PS: a partition's version k+1 exists once its iteration-k push has arrived
   (W pushes arrive together by symmetry); the apply takes no time;
 - pulls: on the first gradient of iteration k the worker asks each PS for version
-  k+1 of its partitions in priority order; the PS streams them one after
-  another, each when it exists (as ``PSClient.pull``).
+  k+1 of its partitions in priority order; the PS streams them one message
+  after another, each with the first partition that exists and the next ones
+  that do while they add at most ``PULL_PACK_BYTES`` (as ``PSClient.pull``).
 - answers first (colocated, as the engine by default,
   ``prophet_tf.engine.answers_first``): before a block of step s goes to a PS
   on another host, the worker waits, asking every ``ANSWERS_POLL_S``, until
@@ -60,22 +61,22 @@ measured link is :mod:`prophet_tf.bench.simulate_flow_share`.
 """
 from __future__ import annotations
 
-import collections
 import gc
 import logging
 import math
 import statistics
 import types
 from functools import partial  # events: bound methods with arguments, no closures
-from typing import Callable
 
 from prophet_tf.bench import ideal as ideal_lib
 from prophet_tf.bench import models
 from prophet_tf.bench.simulate_links import ClusterLinks
 from prophet_tf.bench.simulate_network import FluidSim, fluid_sim
+from prophet_tf.bench.simulate_servers import Servers, partition_id
 from prophet_tf.engine import schedulers as schedulers_lib
 from prophet_tf.engine.answers_first import AnswersFirst
 from prophet_tf.engine.dispatch import Dispatch
+from prophet_tf.ps.protocol import PULL_PACK_BYTES
 
 __all__ = ["simulate", "DEFAULT_RPC_OVERHEAD_S", "DEFAULT_RATE_LAG_S", "WARMUP_ITERATIONS"]
 
@@ -96,63 +97,12 @@ _NS = 1_000_000_000
 LAYOUTS = ideal_lib.LAYOUTS
 
 
-class _Servers:
-    """The PS tasks' versions: a partition's version k+1 exists once every
-    simulated worker's iteration-k push of it has arrived."""
-
-    def __init__(self, sim: FluidSim, pushers: int):
-        self.sim, self.pushers = sim, pushers
-        # version -> partition_id(key, partition) -> time at PS
-        self.available: dict[int, dict[int, float]] = collections.defaultdict(dict)
-        self._pushes: dict[tuple, int] = {}
-        self._waiting: dict[int, list[Callable]] = {}  # ps -> pulls to resume
-        # ps -> worker -> (version, partitions not yet sent) of its pull in progress
-        self.pulls: dict[int, dict[int, tuple[int, list]]] = collections.defaultdict(dict)
-
-    def arrived(self, ps: int, items, at: float) -> None:
-        applied = False
-        for item in items:
-            version = (item.key, item.partition, item.iteration + 1)
-            count = self._pushes.pop(version, 0) + 1
-            if count == self.pushers:
-                self.available[item.iteration + 1][partition_id(item.key, item.partition)] = at
-                applied = True
-            else:
-                self._pushes[version] = count
-        # A pull waits for a partition to be applied: a push that applies none
-        # would wake all W workers' pulls of this PS for nothing.
-        if applied:
-            for resume in self._waiting.pop(ps, []):
-                self.sim.at(at, resume)
-
-    def wait(self, ps: int, resume: Callable) -> None:
-        self._waiting.setdefault(ps, []).append(resume)
-
-    def owed(self, ps_tasks, max_version: int, workers) -> int:
-        """Partitions the pulls in progress on ``ps_tasks`` still owe ``workers`` of
-        versions up to ``max_version`` (the PS's ``Owed``)."""
-        return sum(len(left) for ps in ps_tasks
-                   for worker, (version, left) in self.pulls.get(ps, {}).items()
-                   if worker in workers and version <= max_version)
-
-
-_PARTITION_BITS = 24
-
-
-def partition_id(key: int, partition: int) -> int:
-    """One int for a partition: a cheaper key than the tuple."""
-    if partition >> _PARTITION_BITS:
-        raise ValueError(f"a variable has more than 2**{_PARTITION_BITS} partitions. "
-                         f"Received: partition {partition} of key {key}")
-    return key << _PARTITION_BITS | partition
-
-
 class _Worker:
     """One worker's engine, compute and pulls, in virtual time."""
 
     def __init__(self, sim: FluidSim, profile: dict, dispatch: Dispatch, num_ps: int,
                  iterations: int, compute_scale: float, latency_s: float, rpc_overhead_s: float,
-                 network: ClusterLinks, servers: _Servers, index: int = 0,
+                 network: ClusterLinks, servers: Servers, index: int = 0,
                  rpc_per_byte_s: float = 0.0, finished: list | None = None,
                  answers_first: bool = True):
         self.sim, self.dispatch, self.servers = sim, dispatch, servers
@@ -306,19 +256,45 @@ class _Worker:
             return
         left.remove(uid)
         p = self.partition_of[uid]
-        self.sim.at(now + self.pull_cost[uid], partial(self._pull_flow, ps, version, left, p))
+        pack = self._pack(left, available, now)
+        if not pack:
+            self.sim.at(now + self.pull_cost[uid], partial(self._pull_flow, ps, version, left, p))
+            return
+        pack.insert(0, p)
+        nbytes = sum(q.nbytes for q in pack)
+        self.sim.at(now + self._cost(nbytes),
+                    partial(self._pull_flow, ps, version, left, pack, nbytes))
 
-    def _pull_flow(self, ps: int, version: int, left: list, p) -> None:
+    def _pack(self, left: list, available: dict, now: float) -> list:
+        """The partitions that ride with the one just taken, removed from
+        ``left``: the next ones applied, in order, while they add at most
+        PULL_PACK_BYTES (``prophet_tf.ps.pulls``; here payload bytes)."""
+        pack, added = [], 0
+        for uid in list(left):
+            if available.get(uid, math.inf) > now:
+                continue
+            q = self.partition_of[uid]
+            added += q.nbytes
+            if added > PULL_PACK_BYTES:
+                break
+            left.remove(uid)
+            pack.append(q)
+        return pack
+
+    def _pull_flow(self, ps: int, version: int, left: list, p, nbytes: int | None = None) -> None:
+        """The bytes of a pull message (``p``: a partition, or a list of them) flow."""
         routes = self.pull_routes
         if routes[ps] is False:
             routes[ps] = self.sim.route(self.pull_links[ps])
-        self.sim.start_flow(p.nbytes, self.pull_links[ps],
+        self.sim.start_flow(p.nbytes if nbytes is None else nbytes, self.pull_links[ps],
                             partial(self._pulled, ps, version, left, p), routes[ps])
 
     def _pulled(self, ps: int, version: int, left: list, p) -> None:
-        """A partition's last byte is in: delivered after the latency; the next one."""
+        """A message's last byte is in: its partitions delivered after the
+        latency; the next one."""
         sim = self.sim
-        sim.at(sim.now + self.latency, partial(self._deliver, p, version))
+        for q in p if isinstance(p, list) else (p,):
+            sim.at(sim.now + self.latency, partial(self._deliver, q, version))
         self._pull(ps, version, left)
 
     def _cost(self, nbytes: int) -> float:
@@ -411,7 +387,7 @@ def simulate(profile: dict, scheduler: str, workers: int, num_ps: int,
     rate = ideal_lib.payload_bytes_per_s(bandwidth_mbit, framing) or math.inf
     network = ClusterLinks(layout, workers, num_ps, rate)
     sim = fluid_sim(network.capacity, share_sigma, seed, rate_lag_s, compiled)
-    servers = _Servers(sim, network.simulated)
+    servers = Servers(sim, network.simulated)
     scale = 1.0 if compute_s is None else compute_s / profile["compute_s"]
     simulated, finished = [], []
     for index in range(network.simulated):

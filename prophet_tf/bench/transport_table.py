@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["transport_table", "grpc_floor_table", "grpc_messages_table", "cpu_per_gb"]
+__all__ = ["transport_table", "grpc_floor_table", "grpc_messages_table", "cpu_per_gb", "KINDS"]
 
 
 def _rate(seconds: list[float], nbytes: int) -> str:
@@ -116,3 +116,8 @@ def grpc_messages_table(result: dict) -> str:
                  f"{config['reps']} steps after a warm-up, the pairs in turns; gRPC C++ "
                  f"{config['grpc_cpp']}, grpcio {config['grpcio']}; commit {config['commit']}.")
     return "\n".join(lines) + "\n"
+
+
+#: ``prophet-tf report``'s kinds of this module's tables.
+KINDS = {"transport": transport_table, "grpc_floor": grpc_floor_table,
+         "grpc_messages": grpc_messages_table}

@@ -148,7 +148,7 @@ class Applier:
                     else:
                         applied = [(part, self._apply(part, iteration, total,
                                                       optimizer_iteration, factor))]
-                    encoded = [(p, protocol.encode_parameter_chunk(
+                    encoded = [(p, protocol.encode_pull_entry(
                         p.plan.key, p.plan.partition, iteration + 1, p.spec.dtype, value))
                         for p, value in applied]
                     # A value may view its variable's buffer: kept past the next

@@ -24,7 +24,7 @@ from prophet_tf import codec, optimizer_policy
 from prophet_tf.ps import health, sharding
 from prophet_tf.ps import security as security_lib
 from prophet_tf.ps.protocol import (MAX_MESSAGE_BYTES, SERVICE_NAME, PulledChunk,
-                                    channel_options, decode_parameter_chunk, encode_push,
+                                    channel_options, decode_pull_message, encode_push,
                                     encode_swap_version)
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -91,7 +91,7 @@ class PSClient:
             response_deserializer=ps_pb2.PushResponse.FromString)
         self._pull = self._channel.unary_stream(
             method + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
-            response_deserializer=decode_parameter_chunk)
+            response_deserializer=decode_pull_message)
         self._heartbeat = self._channel.unary_unary(
             method + "Heartbeat", request_serializer=ps_pb2.HeartbeatRequest.SerializeToString,
             response_deserializer=ps_pb2.HeartbeatResponse.FromString)
@@ -231,10 +231,11 @@ class PSClient:
         call = self._pull(request, timeout=timeout)
         shaper = self._shaper(1)
         try:
-            for chunk in call:
-                if shaper:
-                    shaper.consume(chunk.array.nbytes)
-                yield chunk
+            for message in call:  # one or more partitions each (PULL_PACK_BYTES)
+                for chunk in message:
+                    if shaper:
+                        shaper.consume(chunk.array.nbytes)
+                    yield chunk
         finally:
             call.cancel()
 

@@ -166,7 +166,7 @@ class SwapRPCs:
             encoded = []
             for part in self._parts.values():
                 part.variable.assign(average(model.optimizer, part))
-                encoded.append((part, protocol.encode_parameter_chunk(
+                encoded.append((part, protocol.encode_pull_entry(
                     part.plan.key, part.plan.partition, version, part.spec.dtype,
                     registration.read(part))))
             with self._lock:

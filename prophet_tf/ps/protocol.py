@@ -35,7 +35,8 @@ from prophet_tf.ps.v1 import ps_pb2
 
 __all__ = ["MAX_MESSAGE_BYTES", "MAX_CHUNK_BYTES", "SERVICE_NAME", "channel_options",
            "server_options", "encode_len_field_header", "parse_fields", "encode_push",
-           "parse_push_request", "encode_parameter_chunk", "decode_parameter_chunk",
+           "parse_push_request", "encode_pull_entry", "decode_pull_message",
+           "decode_parameter_chunk", "PULL_PACK_BYTES",
            "tolerant_parser", "PulledChunk", "GradientChunk", "PushRequest",
            "encode_swap_version", "decode_swap_version"]
 
@@ -278,16 +279,26 @@ def parse_push_request(message: bytes, max_chunks: int = 1 << 16) -> PushRequest
         return PushRequest(0, [], f"{e} ({len(message)} bytes)")
 
 
-# --- ParameterChunk (Pull's stream) ----------------------------------------------
+# --- ParameterChunks (Pull's stream) ----------------------------------------------
+
+#: A Pull message holds the most urgent partition ready to send and, after it,
+#: the next ones ready (in the order asked) while they add at most this many
+#: bytes: small partitions ride along instead of each paying a message's cost
+#: at both ends, and no partition waits behind more than this.
+PULL_PACK_BYTES = 16 * 1024
+_PULL_ENTRY = ps_pb2.ParameterChunks.DESCRIPTOR.fields_by_name["chunks"].number
 
 
-def encode_parameter_chunk(key: int, partition: int, version: int, dtype: str,
-                           value: np.ndarray) -> bytes:
-    """Serialized ``ParameterChunk``, built with one copy of the tensor bytes."""
+def encode_pull_entry(key: int, partition: int, version: int, dtype: str,
+                      value: np.ndarray) -> bytes:
+    """One ``ParameterChunks.chunks`` entry, built with one copy of the tensor
+    bytes: on its own a whole Pull message, and entries joined make one."""
     data = codec.as_bytes_view(value)
     head = ps_pb2.ParameterChunk(key=key, partition=partition, version=version,
                                  dtype=dtype).SerializeToString()
-    return b"".join((head, encode_len_field_header(_PARAMETER_CHUNK.data, data.nbytes), data))
+    data_header = encode_len_field_header(_PARAMETER_CHUNK.data, data.nbytes)
+    return b"".join((encode_len_field_header(_PULL_ENTRY, len(head) + len(data_header)
+                                             + data.nbytes), head, data_header, data))
 
 
 class PulledChunk(NamedTuple):
@@ -299,13 +310,21 @@ class PulledChunk(NamedTuple):
     array: np.ndarray
 
 
-def decode_parameter_chunk(message: bytes) -> PulledChunk:
+def decode_parameter_chunk(message) -> PulledChunk:
     """A ParameterChunk whose array views ``message`` (no copy)."""
     f = _PARAMETER_CHUNK
     fields = parse_fields(message)
     dtype = bytes(fields.get(f.dtype, b"")).decode()
     return PulledChunk(fields.get(f.key, 0), fields.get(f.partition, 0),
                        fields.get(f.version, 0), codec.from_bytes(fields.get(f.data, b""), dtype))
+
+
+def decode_pull_message(message: bytes) -> list[PulledChunk]:
+    """The partitions of one Pull message (``ParameterChunks``), in order, whose
+    arrays view ``message`` (no copy)."""
+    entries = parse_fields(message, repeated=(_PULL_ENTRY,), types={_PULL_ENTRY: _LEN})[
+        _PULL_ENTRY]
+    return [decode_parameter_chunk(entry) for entry in entries]
 
 
 # --- other requests, parsed by protobuf ---------------------------------------------

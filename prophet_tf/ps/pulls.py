@@ -1,7 +1,8 @@
 """Pull and Owed, a mixin of the servicer.
 
 A Pull sends each partition it names the moment that partition reaches the
-version asked for (of those ready, the first named). ``Owed`` tells how many
+version asked for (of those ready, the first named), and in the same message
+the next ones ready while they add at most ``protocol.PULL_PACK_BYTES``. ``Owed`` tells how many
 partitions some workers' pulls still wait for: a worker on this PS's host
 holds its pushes to other hosts meanwhile (``prophet_tf/engine/answers_first.py``).
 
@@ -15,7 +16,7 @@ from typing import Iterator
 
 import grpc
 
-from prophet_tf.ps import registration
+from prophet_tf.ps import protocol, registration
 from prophet_tf.ps.errors import RpcError, check_sender, invalid, precondition
 from prophet_tf.ps.v1 import ps_pb2
 
@@ -31,7 +32,7 @@ class PullRPCs:
     """``Pull`` and ``Owed`` of the servicer."""
 
     def Pull(self, request, context) -> Iterator[bytes]:
-        """Yields serialized ``ParameterChunk`` messages (see server.py).
+        """Yields serialized ``ParameterChunks`` messages (see server.py).
 
         A waiting pull holds one of the server's threads, so each worker may
         have at most MAX_PULLS_PER_WORKER in progress: no client can tie up
@@ -57,10 +58,12 @@ class PullRPCs:
                     context.abort(e.code, e.message)
                 if got is None:  # the client went away
                     return
-                part, data, version = got
-                yield data
+                with self._lock:
+                    got = [got, *self._pack_locked(left, request.min_version)]
+                yield b"".join(data for _, data, _ in got) if len(got) > 1 else got[0][1]
                 if self._trace:
-                    self._trace.record("answered", part, version, request.worker_id)
+                    for part, _, version in got:
+                        self._trace.record("answered", part, version, request.worker_id)
                 # gRPC asks for the next answer once it has taken this one.
                 with self._lock:
                     unsent[2] = len(left)
@@ -125,6 +128,25 @@ class PullRPCs:
                     return None
                 self._published.wait(_PULL_POLL_SECONDS if remaining is None
                                      else min(remaining, _PULL_POLL_SECONDS))
+
+    @staticmethod
+    def _pack_locked(left: list, min_version: int) -> list:
+        """Removes from ``left`` the partitions at ``min_version`` or later that
+        ride with the answer just taken: in order, while their answers add at
+        most PULL_PACK_BYTES (the first that does not fit ends the pack, so
+        none goes before a more urgent one that is ready)."""
+        pack, added, i = [], 0, 0
+        while i < len(left):
+            part = left[i]
+            if part.version < min_version:
+                i += 1
+                continue
+            added += len(part.encoded)
+            if added > protocol.PULL_PACK_BYTES:
+                break
+            del left[i]
+            pack.append((part, part.encoded, part.version))
+        return pack
 
     def _owed(self, request):
         check_sender(request, "an OwedRequest", self.num_workers)

@@ -55,7 +55,7 @@ class Part:
     # Workers in iteration `version`: worker -> (its gradient, a view of its
     # request, and its batch rows), or -> None once the sum is handed over.
     arrived: dict = dataclasses.field(default_factory=dict)
-    encoded: bytes | None = None  # ParameterChunk of `version`, shared by pullers
+    encoded: bytes | None = None  # Pull answer of `version` (protocol.encode_pull_entry), shared
     failed: str | None = None
     apply_fn: object = None  # traced optimizer update of this partition
     # Lamb over a variable of several partitions: their count, and this one's two

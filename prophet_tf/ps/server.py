@@ -91,7 +91,7 @@ def create_server(address: str, servicer, *, max_message_bytes: int = MAX_MESSAG
         "Push": grpc.unary_unary_rpc_method_handler(
             servicer.Push, request_deserializer=protocol.parse_push_request,
             response_serializer=ps_pb2.PushResponse.SerializeToString),
-        # Pull yields ParameterChunk bytes serialized once per version.
+        # Pull yields ParameterChunks bytes: answers serialized once per version.
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, request_deserializer=protocol.tolerant_parser(ps_pb2.PullRequest),
             response_serializer=_passthrough),

@@ -218,7 +218,7 @@ class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs, SwapRPCs):
                 # A fresh PS takes the workers' iteration: they may resume
                 # from their own backup (BackupAndRestore) without a PS checkpoint.
                 version = self._start_version
-                encoded = protocol.encode_parameter_chunk(
+                encoded = protocol.encode_pull_entry(
                     part.plan.key, part.plan.partition, version, part.spec.dtype,
                     apply.read(part))
                 with self._lock:
@@ -407,7 +407,7 @@ class ParameterServerServicer(KerasRPCs, PullRPCs, NormRPCs, SwapRPCs):
         (so the apply lock is not needed, and would invert the lock order)."""
         checkpoint_lib.install(snapshot, self._parts, self._model.optimizer)
         for part in self._parts.values():
-            part.encoded = protocol.encode_parameter_chunk(
+            part.encoded = protocol.encode_pull_entry(
                 part.plan.key, part.plan.partition, snapshot.step, part.spec.dtype,
                 apply.read(part))
             part.version = snapshot.step

@@ -244,8 +244,8 @@ def ps_train(config_json, values):
                 for i, g in enumerate(gradients(step))]), Context())
             request = ps_pb2.PullRequest(worker_id=0, min_version=step + 1, items=[
                 ps_pb2.KeyPartition(key=i, partition=0) for i in range(len(values))])
-            chunks = [ps_pb2.ParameterChunk.FromString(b)
-                      for b in servicer.Pull(request, Context())]
+            chunks = [c for b in servicer.Pull(request, Context())
+                      for c in ps_pb2.ParameterChunks.FromString(b).chunks]
             assert [c.version for c in chunks] == [step + 1] * len(values)
             current = [np.frombuffer(c.data, np.float32).reshape(v.shape)
                        for c, v in zip(chunks, values)]

@@ -68,10 +68,30 @@ def test_a_push_field_of_the_wrong_wire_type_is_malformed():
     assert parsed.malformed and "wire type 0" in parsed.malformed, parsed.malformed
 
 
-def test_an_encoded_parameter_chunk_parses_with_protobuf():
-    encoded = protocol.encode_parameter_chunk(2, 1, 9, "bfloat16", HALF)
-    assert ps_pb2.ParameterChunk.FromString(encoded) == ps_pb2.ParameterChunk(
-        key=2, partition=1, version=9, dtype="bfloat16", data=HALF.tobytes())
+def test_pull_entries_alone_and_joined_parse_with_protobuf_as_pull_messages():
+    one = protocol.encode_pull_entry(2, 1, 9, "bfloat16", HALF)
+    two = protocol.encode_pull_entry(3, 0, 9, "float32", GRAD)
+    chunk = ps_pb2.ParameterChunk(key=2, partition=1, version=9, dtype="bfloat16",
+                                  data=HALF.tobytes())
+    assert ps_pb2.ParameterChunks.FromString(one) == ps_pb2.ParameterChunks(chunks=[chunk])
+    joined = ps_pb2.ParameterChunks.FromString(one + two)
+    assert [(c.key, c.partition) for c in joined.chunks] == [(2, 1), (3, 0)]
+    assert joined.chunks[1].data == GRAD.tobytes()
+
+
+def test_a_pull_message_decodes_to_its_partitions_in_order_as_views():
+    message = ps_pb2.ParameterChunks(chunks=[
+        ps_pb2.ParameterChunk(key=k, partition=k + 1, version=5, dtype="float32",
+                              data=(GRAD * k).tobytes()) for k in (4, 0, 2)]).SerializeToString()
+    pulled = protocol.decode_pull_message(message)
+    assert [(c.key, c.partition, c.version) for c in pulled] == [(4, 5, 5), (0, 1, 5), (2, 3, 5)]
+    np.testing.assert_array_equal(pulled[2].array, (GRAD * 2).reshape(-1))
+    assert not pulled[0].array.flags.writeable  # a view of the message
+
+
+def test_a_pull_message_whose_entry_is_not_a_message_is_an_error():
+    with pytest.raises(ValueError, match="wire type 0"):
+        protocol.decode_pull_message(bytes([1 << 3 | 0, 1]))
 
 
 def test_a_protobuf_parameter_chunk_decodes_by_hand():
@@ -88,8 +108,7 @@ def test_gradient_and_parameter_chunks_number_partition_from_their_own_descripto
     gradient = ps_pb2.GradientChunk.DESCRIPTOR.fields_by_name["partition"].number
     parameter = ps_pb2.ParameterChunk.DESCRIPTOR.fields_by_name["partition"].number
     assert gradient != parameter
-    pulled = protocol.decode_parameter_chunk(
-        protocol.encode_parameter_chunk(1, 5, 7, "float32", GRAD))
+    [pulled] = protocol.decode_pull_message(protocol.encode_pull_entry(1, 5, 7, "float32", GRAD))
     assert (pulled.key, pulled.partition, pulled.version) == (1, 5, 7)
 
 

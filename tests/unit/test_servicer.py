@@ -126,13 +126,17 @@ def push(servicer, worker_id, chunks):
                          Context()).duplicates
 
 
+def pulled_chunks(messages) -> list:
+    """The ParameterChunk of every Pull message (each holds one or more), in order."""
+    return [c for message in messages for c in ps_pb2.ParameterChunks.FromString(message).chunks]
+
+
 def pull(servicer, min_version, partitions=None, timeout=10.0, shapes=SHAPES):
     """Full arrays (key -> array) and versions after pulling every partition."""
     partitions = plan(shapes) if partitions is None else partitions
     request = ps_pb2.PullRequest(worker_id=0, min_version=min_version, items=[
         ps_pb2.KeyPartition(key=p.key, partition=p.partition) for p in partitions])
-    chunks = [ps_pb2.ParameterChunk.FromString(b)
-              for b in servicer.Pull(request, Context(timeout))]
+    chunks = pulled_chunks(servicer.Pull(request, Context(timeout)))
     # Each partition once, in any order: the PS sends each as it is applied.
     assert sorted((c.key, c.partition) for c in chunks) == sorted(
         (p.key, p.partition) for p in partitions)
@@ -581,11 +585,11 @@ def test_pull_sends_each_partition_the_moment_it_is_applied(ready):
     stream = servicer.Pull(request, Context(timeout=10))
     for worker in (0, 1):
         push(servicer, worker, grad_chunks(ints(worker), 0, [late]))
-    first = ps_pb2.ParameterChunk.FromString(next(stream))
+    [first] = pulled_chunks([next(stream)])  # the urgent one is not applied: not in it
     assert (first.key, first.partition, first.version) == (late.key, late.partition, 1)
     for worker in (0, 1):
         push(servicer, worker, grad_chunks(ints(worker), 0, [urgent]))
-    second = ps_pb2.ParameterChunk.FromString(next(stream))
+    [second] = pulled_chunks([next(stream)])
     assert (second.key, second.partition, second.version) == (urgent.key, urgent.partition, 1)
     assert list(stream) == []
 
@@ -647,6 +651,46 @@ def test_pull_deadline(ready):
 def test_bad_pull_requests(ready, fields, code, fragment):
     servicer, _ = ready
     expect_abort(servicer.Pull, ps_pb2.PullRequest(**fields), code, fragment)
+
+
+def test_a_pull_message_carries_the_ready_partitions_after_its_first_up_to_the_pack_limit(
+        ready, monkeypatch):
+    servicer, _ = ready
+    parts = plan()  # kernel 0-2, bias, scale: in this order of urgency
+    request = ps_pb2.PullRequest(worker_id=0, min_version=0, items=[
+        ps_pb2.KeyPartition(key=p.key, partition=p.partition) for p in parts])
+    answers = [protocol.encode_pull_entry(p.key, p.partition, 0, "float32",
+                                          np.zeros(p.end - p.begin, np.float32))
+               for p in parts]
+    # Room for two answers after each message's first (all but the scale's
+    # are the same size), so the third does not fit: messages of 3 and 2.
+    monkeypatch.setattr(protocol, "PULL_PACK_BYTES", len(answers[1]) + len(answers[2]))
+    messages = list(servicer.Pull(request, Context()))
+    assert [len(ps_pb2.ParameterChunks.FromString(m).chunks) for m in messages] == [3, 2]
+    assert [(c.key, c.partition) for c in pulled_chunks(messages)] == [
+        (p.key, p.partition) for p in parts]
+    assert [len(m) for m in messages] == [sum(map(len, answers[:3])), sum(map(len, answers[3:]))]
+    # With no room, every partition is a message of its own.
+    monkeypatch.setattr(protocol, "PULL_PACK_BYTES", 0)
+    assert [len(ps_pb2.ParameterChunks.FromString(m).chunks)
+            for m in servicer.Pull(request, Context())] == [1] * len(parts)
+
+
+def test_a_pack_skips_partitions_not_yet_applied_and_never_waits_for_them(ready):
+    servicer, _ = ready
+    parts = plan()
+    urgent, rest = parts[0], parts[1:]
+    request = ps_pb2.PullRequest(worker_id=0, min_version=1, items=[
+        ps_pb2.KeyPartition(key=p.key, partition=p.partition) for p in parts])
+    stream = servicer.Pull(request, Context(timeout=10))
+    for worker in (0, 1):
+        push(servicer, worker, grad_chunks(ints(worker), 0, rest))
+    pull(servicer, 1, rest)  # returns once every one of them is applied
+    first = pulled_chunks([next(stream)])  # all of them: the urgent one is not applied
+    assert [(c.key, c.partition) for c in first] == [(p.key, p.partition) for p in rest]
+    for worker in (0, 1):
+        push(servicer, worker, grad_chunks(ints(worker), 0, [urgent]))
+    assert [(c.key, c.partition) for c in pulled_chunks(stream)] == [(urgent.key, 0)]
 
 
 def test_versions_are_serialized_once_and_shared(ready):

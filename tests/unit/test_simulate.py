@@ -193,6 +193,43 @@ def test_pulls_take_each_partition_as_it_is_applied():
 
 
 @pytest.mark.timeout(60)
+def test_small_partitions_ready_together_ride_in_one_pull_message(monkeypatch):
+    # A 400 KB variable then ten of 1 KB, all ready at once: as in the PS,
+    # a pull message takes the most urgent ready partition and the next ready
+    # ones while they add at most PULL_PACK_BYTES, each message one cost.
+    profile = toy_profile([400_000] + [1_000] * 10, [0.001] * 11, [0.0] * 11)
+    limit = simulate.PULL_PACK_BYTES
+    messages = []
+    pull_flow = simulate._Worker._pull_flow
+
+    def record(self, ps, version, left, p, nbytes=None):
+        parts = p if isinstance(p, list) else [p]
+        messages.append((version, [(q.key, q.nbytes) for q in parts]))
+        return pull_flow(self, ps, version, left, p, nbytes)
+    monkeypatch.setattr(simulate._Worker, "_pull_flow", record)
+
+    def per_version(pack_bytes):
+        messages.clear()
+        monkeypatch.setattr(simulate, "PULL_PACK_BYTES", pack_bytes)
+        simulate.simulate(profile, "fifo", 1, 1, 1000, iterations=4, warmup=1)
+        out = {}
+        for version, parts in messages:
+            out.setdefault(version, []).append(parts)
+        return out
+    for version, sent in per_version(0).items():
+        assert sorted(q for parts in sent for q in parts) == [(k, 400_000 if k == 0 else 1_000)
+                                                             for k in range(11)]
+        assert all(len(parts) == 1 for parts in sent)
+    packed = per_version(limit)
+    assert all(len(sent) < 11 for sent in packed.values())
+    for sent in packed.values():
+        assert sorted(k for parts in sent for k, _ in parts) == list(range(11))  # each once
+        for parts in sent:  # what rides after a message's first adds at most the limit
+            assert sum(n for _, n in parts[1:]) <= limit
+            assert [k for k, _ in parts] == sorted(k for k, _ in parts)  # in priority order
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("kwargs, match", [
     (dict(scheduler="nope"), "Unknown scheduler"),
     (dict(workers=0), "workers"),

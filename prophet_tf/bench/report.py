@@ -121,12 +121,10 @@ def _caption(config: dict, runs: str) -> str:
         + (f", critical chain {_ms(ideal['chain_s'])}" if "chain_s" in ideal else "") + ").")
 
 
-#: What may differ between the runs of one ``runs`` table (the bench records
-#: each only since it exists; pushes_first only at the experiment's commit,
-#: 24fed3e, see the README's "Where the links stand idle"), and which
-#: schedulers each ran.
-_RUN_SETTINGS = ("answers_first", "pushes_first", "host_queue", "schedulers",
-                 "global_clipnorm")
+#: What may differ between the runs of one ``runs`` table: settings (pushes_first
+#: only at commit 24fed3e), the schedulers, and what each run measures (its compute).
+_RUN_SETTINGS = ("answers_first", "pushes_first", "host_queue", "schedulers", "global_clipnorm",
+                 "compute_s", "compute_s_all", "ideal", "profile")
 
 
 def runs_table(runs: list[tuple[str, dict]]) -> str:
@@ -155,7 +153,9 @@ def runs_table(runs: list[tuple[str, dict]]) -> str:
             lines.append(f"| {os.path.splitext(name)[0]} | {r['scheduler']} | "
                          f"{_ms(r['step_time_s'])} ms | {vs_ideal} | {busy} |")
     lines.append("")
-    lines.append(_caption(runs[0][1]["config"], f"{_count(len(runs), 'run')} of 1 rep each"))
+    config = runs[0][1]["config"]  # compute and ideal: the first run's (a row's: its own)
+    lines.append(_caption(config, f"{_count(len(runs), 'run')} of "
+                          f"{_count(config.get('reps', 1), 'rep')} each"))
     return "\n".join(lines) + "\n"
 
 

@@ -188,6 +188,20 @@ def test_a_runs_table_has_a_row_per_run_and_scheduler_of_one_configuration(tmp_p
     assert report.main([str(md), "--check"]) == 2
 
 
+def test_runs_that_measured_their_own_compute_share_a_runs_table_each_against_its_ideal():
+    def run(compute, ideal, step):
+        config = {"model": "cnn", "workers": 2, "ps": 2, "bandwidth_mbit": 200.0, "steps": 30,
+                  "reps": 3, "compute_s": compute, "compute_s_all": [compute],
+                  "ideal": {"ideal_s": ideal, "compute_s": compute, "busiest_link_s": ideal}}
+        return {"config": config, "results": [{"scheduler": "p3", "step_time_s": step,
+                                               "ideal_step_time_s": ideal}]}
+    text = report.runs_table([("before-1.json", run(0.05, 0.2, 0.22)),
+                              ("after-1.json", run(0.04, 0.25, 0.25))])
+    assert "| before-1 | p3 | 220.0 ms | 1.10 | – |\n| after-1 | p3 | 250.0 ms | 1.00 | – |" \
+        in text
+    assert "2 runs of 3 reps each of 30 steps; compute 50.0 ms" in text
+
+
 def test_a_validate_table_shows_the_seeds_range_only_for_uneven_sharing():
     row = {"scheduler": "p3", "measured_s": 2.0, "predicted_s": 1.9,
            "predicted_range_s": [1.8, 2.1], "error": -0.05, "predicted_phase_spread_s": 0.25}

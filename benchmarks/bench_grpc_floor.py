@@ -320,12 +320,7 @@ def grpc_pairs(binary: str, tmp: str, sizes: list[list[int]], reps: int, infligh
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mb", type=float, default=100.0, help="model size in MB (1e6 bytes)")
-    parser.add_argument("--variables", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--inflight", type=int, default=4, help="concurrent push requests")
-    parser.add_argument("--ps", default="1", help="comma-separated server counts (default 1)")
+    parser = transport.traffic_arguments(__doc__.split("\n\n")[0], reps=9)
     parser.add_argument("--messages", type=int, default=0,
                         help="also a step of this many small pushes and as many pulled "
                              "messages through one server, for the cost per message")

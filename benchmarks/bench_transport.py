@@ -332,13 +332,19 @@ def ps_steps(sets: list[PSSet], reps: int) -> list[dict]:
     return results
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def traffic_arguments(description: str, reps: int) -> argparse.ArgumentParser:
+    """A parser with the traffic's options, as this bench and bench_grpc_floor.py take them."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--mb", type=float, default=100.0, help="model size in MB (1e6 bytes)")
     parser.add_argument("--variables", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--inflight", type=int, default=4, help="concurrent push requests")
     parser.add_argument("--ps", default="1", help="comma-separated PS process counts (default 1)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = traffic_arguments(__doc__.split("\n\n")[0], reps=7)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--baseline-root", type=pathlib.Path, default=None,
                         help="also run PS processes from this checkout of prophet_tf (its "

@@ -122,18 +122,21 @@ class NativeClient:
             self.proc.wait()
 
 
-class GrpcioClient(transport.BareClient):
-    """grpcio's bare client in this process, its CPU counted per step."""
+class InProcess:
+    """A pair whose client runs in this process (``pair``: ``step()`` -> wall
+    seconds, ``close()``): this process's CPU counted per step."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.cpu_s = 0.0
+    def __init__(self, pair):
+        self.pair, self.cpu_s = pair, 0.0
 
     def step(self) -> float:
         before = transport.cpu_seconds()
-        wall = super().step()
+        wall = self.pair.step()
         self.cpu_s += transport.cpu_seconds() - before
         return wall
+
+    def close(self) -> None:
+        self.pair.close()
 
 
 class TcpPair:
@@ -150,7 +153,6 @@ class TcpPair:
             self.ends.append(listener.accept()[0])
         self.source = bytearray(self.nbytes)
         self.sinks = [bytearray(self.nbytes) for _ in self.ends]
-        self.cpu_s = 0.0
 
     def _receive(self, end: socket.socket, sink: bytearray) -> None:
         view, got = memoryview(sink), 0
@@ -161,16 +163,14 @@ class TcpPair:
             got += n
 
     def step(self) -> float:
-        before, t = transport.cpu_seconds(), time.perf_counter()
+        t = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             done = [pool.submit(end.sendall, self.source) for end in self.ends]
             done += [pool.submit(self._receive, end, sink)
                      for end, sink in zip(reversed(self.ends), self.sinks)]
             for f in done:
                 f.result()
-        wall = time.perf_counter() - t
-        self.cpu_s += transport.cpu_seconds() - before
-        return wall
+        return time.perf_counter() - t
 
     def close(self) -> None:
         for end in self.ends:
@@ -250,26 +250,15 @@ class TfRing:
                 proc.wait()
 
 
-class PSPath:
-    """prophet_tf's own data path on the same traffic (``bench_transport.PSSet``:
-    PS processes that sum and apply SGD): its client's CPU counted per step."""
-
-    def __init__(self, shapes: list, inflight: int, num_ps: int, tmp: str):
-        self.ps = transport.PSSet(shapes, inflight, num_ps, tmp)
-        self.pids = self.ps.pids
-        self.cpu_s = 0.0
-
-    def step(self) -> float:
-        before = transport.cpu_seconds()
-        wall = self.ps.step()
-        self.cpu_s += transport.cpu_seconds() - before
-        return wall
+class CheckedPSSet(transport.PSSet):
+    """prophet_tf's own data path on the same traffic: PS processes that sum
+    and apply SGD, and their client; closing checks the values it pulled."""
 
     def close(self) -> None:
         try:
-            self.ps.check()  # the values it pulled are the ones SGD gives
+            self.check()  # the values it pulled are the ones SGD gives
         finally:
-            self.ps.close()
+            super().close()
 
 
 def pairs_in_turns(clients: dict, servers: dict, reps: int) -> dict:
@@ -307,7 +296,8 @@ def grpc_pairs(binary: str, tmp: str, sizes: list[list[int]], reps: int, infligh
         servers = {kind: [p.pid for k, p, _ in procs if k == kind] for kind in KINDS}
         ports = {kind: [port for k, _, port in procs if k == kind] for kind in KINDS}
         for server in KINDS:
-            clients["grpcio", server] = GrpcioClient(ports[server], sizes, inflight)
+            clients["grpcio", server] = InProcess(transport.BareClient(ports[server], sizes,
+                                                                       inflight))
             clients["c++", server] = NativeClient(binary, ports[server], sizes, inflight)
         if extra is not None:
             extra(clients, servers)
@@ -349,10 +339,11 @@ def main(argv=None) -> int:
             sizes = transport.partition_sizes(shapes, num_ps)
 
             def others(clients, servers, num_ps=num_ps, sizes=sizes):
-                clients["tcp", "tcp"] = TcpPair(sizes)
+                clients["tcp", "tcp"] = InProcess(TcpPair(sizes))
                 servers["tcp"] = []  # both ends in this process: the client's CPU
-                clients["prophet_tf", "ps"] = PSPath(shapes, args.inflight, num_ps, tmp)
-                servers["ps"] = clients["prophet_tf", "ps"].pids
+                ps_set = CheckedPSSet(shapes, args.inflight, num_ps, tmp)
+                clients["prophet_tf", "ps"] = InProcess(ps_set)
+                servers["ps"] = ps_set.pids
                 if num_ps == 1:  # the ring's traffic does not depend on the PS count
                     clients["tf-ring", "tf-ring"] = TfRing(model_bytes)
                     servers["tf-ring"] = []  # both workers' CPU: the client's
@@ -374,8 +365,8 @@ def main(argv=None) -> int:
                       f"client {pair['client_cpu_s'] * per:.0f}, server "
                       f"{pair['server_cpu_s'] * per:.0f}")
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k == "json" or not k.startswith("ring")}
-        config.pop("json")
+        config = {k: v for k, v in vars(args).items()
+                  if k != "json" and not k.startswith("ring")}
         config.update(model_bytes=model_bytes, cores=os.cpu_count(), commit=trees.commit(ROOT),
                       grpc_cpp=grpc_version(), grpcio=__import__("grpc").__version__)
         with open(args.json, "w") as f:

@@ -255,15 +255,13 @@ class _Worker:
                 self.servers.wait(ps, resume)
             return
         left.remove(uid)
-        p = self.partition_of[uid]
-        pack = self._pack(left, available, now)
-        if not pack:
-            self.sim.at(now + self.pull_cost[uid], partial(self._pull_flow, ps, version, left, p))
-            return
-        pack.insert(0, p)
-        nbytes = sum(q.nbytes for q in pack)
-        self.sim.at(now + self._cost(nbytes),
-                    partial(self._pull_flow, ps, version, left, pack, nbytes))
+        message = [self.partition_of[uid], *self._pack(left, available, now)]
+        if len(message) == 1:
+            nbytes, cost = message[0].nbytes, self.pull_cost[uid]
+        else:
+            nbytes = sum(q.nbytes for q in message)
+            cost = self._cost(nbytes)
+        self.sim.at(now + cost, partial(self._pull_flow, ps, version, left, message, nbytes))
 
     def _pack(self, left: list, available: dict, now: float) -> list:
         """The partitions that ride with the one just taken, removed from
@@ -281,20 +279,20 @@ class _Worker:
             pack.append(q)
         return pack
 
-    def _pull_flow(self, ps: int, version: int, left: list, p, nbytes: int | None = None) -> None:
-        """The bytes of a pull message (``p``: a partition, or a list of them) flow."""
+    def _pull_flow(self, ps: int, version: int, left: list, message: list, nbytes: int) -> None:
+        """The bytes of a pull message (its partitions, in order) flow."""
         routes = self.pull_routes
         if routes[ps] is False:
             routes[ps] = self.sim.route(self.pull_links[ps])
-        self.sim.start_flow(p.nbytes if nbytes is None else nbytes, self.pull_links[ps],
-                            partial(self._pulled, ps, version, left, p), routes[ps])
+        self.sim.start_flow(nbytes, self.pull_links[ps],
+                            partial(self._pulled, ps, version, left, message), routes[ps])
 
-    def _pulled(self, ps: int, version: int, left: list, p) -> None:
+    def _pulled(self, ps: int, version: int, left: list, message: list) -> None:
         """A message's last byte is in: its partitions delivered after the
         latency; the next one."""
         sim = self.sim
-        for q in p if isinstance(p, list) else (p,):
-            sim.at(sim.now + self.latency, partial(self._deliver, q, version))
+        for p in message:
+            sim.at(sim.now + self.latency, partial(self._deliver, p, version))
         self._pull(ps, version, left)
 
     def _cost(self, nbytes: int) -> float:

@@ -202,10 +202,9 @@ def test_small_partitions_ready_together_ride_in_one_pull_message(monkeypatch):
     messages = []
     pull_flow = simulate._Worker._pull_flow
 
-    def record(self, ps, version, left, p, nbytes=None):
-        parts = p if isinstance(p, list) else [p]
-        messages.append((version, [(q.key, q.nbytes) for q in parts]))
-        return pull_flow(self, ps, version, left, p, nbytes)
+    def record(self, ps, version, left, message, nbytes):
+        messages.append((version, [(q.key, q.nbytes) for q in message]))
+        return pull_flow(self, ps, version, left, message, nbytes)
     monkeypatch.setattr(simulate._Worker, "_pull_flow", record)
 
     def per_version(pack_bytes):

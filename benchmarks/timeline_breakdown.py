@@ -8,7 +8,7 @@ bench's timelines), which says what each one reads.
 """
 import sys
 
-from prophet_tf.bench.breakdown import main
+from prophet_tf.bench.breakdown_cli import main
 
 if __name__ == "__main__":
     main(sys.argv[1:])

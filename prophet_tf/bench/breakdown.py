@@ -10,10 +10,8 @@ gradient ready), the end of the last push of step k, the first and last
 pulled partition of version k+1, and the moment the last parameter of step
 k+1's forward was there; then the median over the steps. Also the time the
 push link was busy while backprop ran (a scheduler that holds gradients back
-leaves it idle), and how far the workers drift apart: each other worker's
-start of backprop minus worker 0's, per step (median and range). Synchronous
-workers out of phase load their hosts' links in turns, so each link idles
-while the other is busy.
+leaves it idle). How far the workers drift apart, and the steps' times
+together and apart: :mod:`prophet_tf.bench.phases`.
 
 Then, per measured step, where the workers' start of the next step spreads
 (with a PS on every worker's host): each worker's last parameter of version
@@ -47,8 +45,8 @@ import statistics
 from prophet_tf.bench import link_load
 from prophet_tf.bench.results import WARMUP_STEPS
 
-__all__ = ["breakdown", "phase_offsets", "answer_tails", "answer_leads", "uplinks",
-           "step_events", "STEP_EVENTS", "main"]
+__all__ = ["breakdown", "worker_events", "backward_starts", "answer_tails", "answer_leads",
+           "uplinks", "step_events", "STEP_EVENTS"]
 
 
 def _load(path: str):
@@ -61,7 +59,7 @@ def _events(directory: str, worker: int) -> list:
     return _load(os.path.join(directory, f"worker-{worker}.json"))["traceEvents"]
 
 
-def _workers(directory: str) -> list[list]:
+def worker_events(directory: str) -> list[list]:
     """Every worker's timeline events, in worker order."""
     n = len(glob.glob(os.path.join(directory, "worker-*.json")))
     return [_events(directory, w) for w in range(n)]
@@ -83,23 +81,10 @@ def _times_by(events: list, arg: str, ended: bool = True) -> dict:
     return times
 
 
-def _backward_starts(events: list) -> dict:
+def backward_starts(events: list) -> dict:
     """Step -> when its first gradient became ready (us)."""
     readies = _times_by([e for e in events if e.get("cat") == "backward"], "step", ended=False)
     return {k: min(times) for k, times in readies.items()}
-
-
-def phase_offsets(directory: str, warmup: int = WARMUP_STEPS) -> dict:
-    """Worker w -> (median, min, max) over the measured steps of its start of
-    backprop minus worker 0's, in ms."""
-    starts = [_backward_starts(events) for events in _workers(directory)]
-    out = {}
-    for w in range(1, len(starts)):
-        offsets = [(starts[w][k] - t) / 1e3 for k, t in starts[0].items()
-                   if k >= warmup and k in starts[w]]
-        if offsets:
-            out[w] = (statistics.median(offsets), min(offsets), max(offsets))
-    return out
 
 
 def breakdown(directory: str, worker: int = 0, warmup: int = WARMUP_STEPS) -> dict:
@@ -167,10 +152,10 @@ def answer_tails(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     (ms from worker 0's start of backprop k), the spread, and the PS whose
     answers ended last with its tail and its host worker's step-(k+1) pushes
     in that tail (MB)."""
-    events = _workers(directory)
+    events = worker_events(directory)
     n = len(events)
     transfers = [_transfers(directory, w) for w in range(n)]
-    starts = _backward_starts(events[0])
+    starts = backward_starts(events[0])
     rows = []
     for k in sorted(starts)[warmup:-1]:
         push_in, answered, last_in = {}, {}, []
@@ -205,12 +190,12 @@ def uplinks(directory: str, warmup: int = WARMUP_STEPS) -> list[dict]:
     other hosts' workers, in MB, and when each ended (s from the step's
     first gradient on any worker, ``start_s``: that gradient's time on the
     monotonic clock), and how far apart the hosts' pushes ended."""
-    events = _workers(directory)
+    events = worker_events(directory)
     n = len(events)
     transfers = [_transfers(directory, w) for w in range(n)]
     starts = {}
     for ev in events:
-        for k, t in _backward_starts(ev).items():
+        for k, t in backward_starts(ev).items():
             starts[k] = min(t, starts.get(k, t))
     rows = []
     for k in sorted(starts)[warmup:-1]:
@@ -272,7 +257,7 @@ def answer_leads(directory: str, warmup: int = WARMUP_STEPS) -> dict:
     "p10_ms", "p90_ms"}`` or None (PS i is on worker i % W's host, colocated),
     and ``unmatched``: answers whose pull names another variable (the i-th
     answer of a version to a worker is its i-th pull of it: one stream)."""
-    n = len(_workers(directory))
+    n = len(worker_events(directory))
     transfers = [_transfers(directory, w) for w in range(n)]
     answered = {}
     for ps, trace in _ps_traces(directory):
@@ -317,8 +302,8 @@ def _pushes_ended(events: list[list], first_key: dict) -> tuple[dict, dict]:
     """Step -> when the last worker's last push ended, and step -> when the
     last worker's push carrying the first layer (of the next forward) ended."""
     all_pushed, first_layer_pushed = {}, {}
-    for worker_events in events:
-        for e in worker_events:
+    for timeline in events:
+        for e in timeline:
             if e.get("cat") == "push":
                 k, end = e["args"]["step"], e["ts"] + e["dur"]
                 all_pushed[k] = max(all_pushed.get(k, end), end)
@@ -386,65 +371,3 @@ def step_events(directory: str, bins: int = 10, warmup: int = WARMUP_STEPS) -> d
             "events_range": {name: (min(v), max(v)) for name, v in found.items()},
             "link_load": {side: [statistics.fmean(part) for part in zip(*filter(None, hosts))]
                           for side, hosts in phases.items()}}
-
-
-def main(argv):
-    """Prints each run's breakdown; with ``--json OUT`` also writes each run's
-    per-step answer tails and uplinks (:func:`uplinks`), answer leads, phase
-    offsets and, where the bench kept ``run.json``, its step events (:func:`step_events`), keyed
-    "<parent directory>/<run directory>", so the figures drawn from timelines
-    too large to commit are kept."""
-    out = None
-    if argv[:1] == ["--json"]:
-        out, argv = argv[1], argv[2:]
-    tails, placed, shares, leads, offsets = {}, {}, {}, {}, {}
-    for pattern in argv:
-        for directory in sorted(glob.glob(pattern)):
-            path = os.path.normpath(directory)
-            run = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
-            tails[run] = answer_tails(directory)
-            shares[run] = uplinks(directory)
-            leads[run] = answer_leads(directory)
-            offsets[run] = {w: dict(zip(("median_ms", "min_ms", "max_ms"), o))
-                            for w, o in phase_offsets(directory).items()}
-            events = step_events(directory)
-            if events:
-                placed[run] = events
-            b = breakdown(directory)
-            if b:
-                print(os.path.basename(path) + ": " + ", ".join(
-                    f"{k} {v:.2f}" if k == "push_busy_in_backward" else f"{k} {v:.0f}"
-                    for k, v in b.items()))
-            for w, o in offsets[run].items():
-                print(f"  worker {w} backprop starts {o['median_ms']:+.1f} ms from worker 0's "
-                      f"(median; {o['min_ms']:+.1f} to {o['max_ms']:+.1f})")
-            for where, lead in leads[run].items():
-                if isinstance(lead, dict):
-                    print(f"  answers to the {where.replace('_', ' ')}'s worker taken by gRPC "
-                          f"{lead['median_ms']:.1f} ms before they arrived (median of "
-                          f"{lead['count']}; p10-p90 {lead['p10_ms']:.1f}-{lead['p90_ms']:.1f})")
-            for r in tails[run]:
-                print(f"  step {r['step']}: parameters in at "
-                      f"{', '.join(f'{t:.0f}' for t in r['last_in_ms'])} ms (spread "
-                      f"{r['spread_ms']:.0f}); PS {r['laggard_ps']} answered "
-                      f"{r['tail_ms']:.0f} ms after its last push in, while worker "
-                      f"{r['laggard_ps']} pushed {r['host_worker_push_mb']:.1f} MB of step "
-                      f"{r['step'] + 1}")
-            for r in shares[run]:
-                print(f"  step {r['step']} uplinks, pushes | answers ended (s): " + "; ".join(
-                    f"host {h} {x['push_end_s']:.2f} | {x['answer_end_s']:.2f}"
-                    for h, x in enumerate(r["hosts"])) + f" (pushes {r['push_end_spread_s']:.2f} "
-                      "s apart)")
-            if events:
-                print("  in worker steps (median, range): " + "; ".join(
-                    f"{name} {events['events'][name]:.3f} ({low:.3f} to {high:.3f})"
-                    for name, (low, high) in events["events_range"].items()))
-                for side, load in events["link_load"].items():
-                    print(f"  link load {side} per tenth: "
-                          + " ".join("-" if x is None else f"{x:.2f}" for x in load))
-    if out:
-        with open(out, "w") as f:
-            json.dump({"command": "python benchmarks/timeline_breakdown.py --json OUT "
-                                  + " ".join(argv), "answer_tails": tails,
-                       "step_events": placed, "uplinks": shares, "answer_leads": leads,
-                       "phase_offsets": offsets}, f, indent=1)

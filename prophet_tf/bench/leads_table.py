@@ -1,12 +1,14 @@
-"""The docs' table of answer leads and phase offsets (``prophet-tf report``'s
-``leads`` kind), from ``benchmarks/timeline_breakdown.py --json``: per run, how
-far the workers' steps were apart and how long before arriving each answer
-had left the PS's count of answers owed (``breakdown.answer_leads``)."""
+"""The docs' tables of answer leads and phase offsets (``prophet-tf report``'s
+``leads`` kind) and of steps together and apart (its ``modes`` kind), from
+``benchmarks/timeline_breakdown.py --json``: per run, how far the workers'
+steps were apart and how long before arriving each answer had left the PS's
+count of answers owed (``breakdown.answer_leads``); and how many steps the
+workers ran together and apart, and how long those took (``phases.phase_modes``)."""
 from __future__ import annotations
 
 import os
 
-__all__ = ["leads_table"]
+__all__ = ["leads_table", "modes_table"]
 
 
 def _lead(lead: dict | None) -> str:
@@ -39,4 +41,35 @@ def leads_table(result: dict) -> str:
                  "backprop minus worker 0's; and how long before it arrived gRPC had taken "
                  "each answer from the PS, median over the answers (10th–90th percentile). "
                  f"From `{result['command']}`.")
+    return "\n".join(lines) + "\n"
+
+
+def _part(part: dict) -> str:
+    return f"{part['steps']} | " + (f"{part['step_ms']:.1f}" if part["steps"] else "–")
+
+
+def modes_table(result: dict) -> str:
+    """Markdown lines: a row per run, its steps together and apart.
+
+    Raises:
+      ValueError: a result without phase modes.
+    """
+    runs = result.get("phase_modes") or {}
+    if not runs:
+        raise ValueError("a modes table needs the phase_modes of timeline_breakdown.py "
+                         f"--json. Received: keys {sorted(result)}")
+    lines = ["| run | steps together | their median, ms | steps apart | their median, ms | "
+             "how far apart, ms |", "|---|---|---|---|---|---|"]
+    for run, modes in runs.items():
+        spread = modes["apart"]["spread_ms"]
+        lines.append(f"| {os.path.basename(run)} | {_part(modes['together'])} | "
+                     f"{_part(modes['apart'])} | "
+                     f"{'–' if spread is None else f'{spread:.0f}'} |")
+    apart = {m["apart_ms"] for m in runs.values()}
+    lines.append("")
+    lines.append(f"Per run, the measured steps whose workers started backprop at most "
+                 f"{'/'.join(f'{a:g}' for a in sorted(apart))} ms apart (together) and "
+                 "further (apart), and each part's median step time (worker 0's start of "
+                 "backprop to the next) and spread (the latest worker's start minus the "
+                 f"earliest's). From `{result['command']}`.")
     return "\n".join(lines) + "\n"

@@ -20,10 +20,10 @@ and off: a row per run and scheduler) and ``phases`` (a bench result's
 ``link_phases``: the links' load through the step) and ``events`` (the
 ``step_events`` of ``benchmarks/timeline_breakdown.py --json``: where in
 the step its exchange ends, run by run; ``leads``: its ``answer_leads``, how
-early gRPC took each answer, and phase offsets) and ``flowshare`` (a
-``benchmarks/flow_share.py`` result: how evenly connections shared a shaped link,
-message by message); the rest of ``_KINDS`` in modules of their own (``simspeed``:
-``benchmarks/simulate_speed.py``). Paths are relative to the Markdown file.
+early gRPC took each answer, and phase offsets; ``modes``: steps together
+and apart) and ``flowshare`` (a ``benchmarks/flow_share.py`` result: how
+evenly connections shared a shaped link, message by message); the rest of
+``_KINDS`` in modules of their own. Paths are relative to the Markdown file.
 One kind names a module instead of JSON: ``environment`` (the user guide's
 environment variables, ``<!-- table: environment prophet_tf.environment -->``).
 The tests run ``--check`` on every Markdown file: no table can drift from its data.
@@ -371,8 +371,8 @@ _KINDS = {"bench": bench_table, "suite": suite_table, "targets": targets_table,
           "validate": validate_table, "runs": runs_table, "phases": phases_table,
           "events": events_table, "flowshare": flow_share_table, "cuts": cut_table.cuts_table,
           "sweep": sweep_table.sweep_table, "profile": profile_table.profile_table,
-          "leads": leads_table.leads_table, "simspeed": speed_table.speed_table,
-          **transport_table.KINDS}
+          "leads": leads_table.leads_table, "modes": leads_table.modes_table,
+          "simspeed": speed_table.speed_table, **transport_table.KINDS}
 
 
 def environment_table(module: str) -> str:

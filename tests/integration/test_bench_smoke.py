@@ -13,7 +13,7 @@ import statistics
 import pytest
 
 from cluster import child_env, run_prophet
-from prophet_tf.bench import breakdown, ideal, link_load, netns, runner
+from prophet_tf.bench import breakdown, ideal, link_load, netns, phases, runner
 
 BANDWIDTH_MBIT = 100.0
 WARMUP = 2  # of the smoke run's 9 steps: the analyses measure steps 2 to 7
@@ -26,8 +26,10 @@ def check_breakdown(directory, record, result):
     times = breakdown.breakdown(directory, warmup=WARMUP)
     assert 0 <= times["push_busy_in_backward"] <= 1
     assert 0 < times["first_pull_ms"] <= times["last_pull_ms"], times
-    (median, low, high), = breakdown.phase_offsets(directory, warmup=WARMUP).values()
+    (median, low, high), = phases.phase_offsets(directory, warmup=WARMUP).values()
     assert low <= median <= high
+    modes = phases.phase_modes(directory, warmup=WARMUP)
+    assert modes["together"]["steps"] + modes["apart"]["steps"] == 8 - WARMUP, modes
     tails = breakdown.answer_tails(directory, warmup=WARMUP)
     assert [r["step"] for r in tails] == list(range(WARMUP, 8))
     assert all(r["spread_ms"] >= 0 and r["laggard_ps"] in (0, 1) and len(r["last_in_ms"]) == 2

@@ -391,3 +391,21 @@ def test_a_leads_table_has_each_run_s_offset_and_answer_leads():
     assert lines[-1].endswith("From `c`.")
     with pytest.raises(ValueError, match="answer_leads"):
         leads_table.leads_table({"command": "c"})
+
+
+def test_a_modes_table_has_each_run_s_steps_together_and_apart():
+    from prophet_tf.bench import leads_table
+
+    result = {"command": "c", "phase_modes": {
+        "tl/fifo-1": {"apart_ms": 40.0, "together": {"steps": 2, "step_ms": 221.04,
+                                                     "spread_ms": 12.0},
+                      "apart": {"steps": 19, "step_ms": 273.0, "spread_ms": 68.4}},
+        "tl/prophet-2": {"apart_ms": 40.0, "together": {"steps": 21, "step_ms": 214.0,
+                                                        "spread_ms": 10.0},
+                         "apart": {"steps": 0, "step_ms": None, "spread_ms": None}}}}
+    lines = leads_table.modes_table(result).splitlines()
+    assert lines[2] == "| fifo-1 | 2 | 221.0 | 19 | 273.0 | 68 |"
+    assert lines[3] == "| prophet-2 | 21 | 214.0 | 0 | – | – |"
+    assert "at most 40 ms apart" in lines[-1] and lines[-1].endswith("From `c`.")
+    with pytest.raises(ValueError, match="phase_modes"):
+        leads_table.modes_table({"command": "c", "answer_leads": {}})

@@ -26,6 +26,10 @@ in lockstep, so one is simulated and every PS link is shared W ways):
   the bench measures) ends with the last gradient, and the next forward starts;
 - network: a push of a block crosses the worker's uplink and the PS's
   downlink, a pulled partition the PS's uplink and the worker's downlink.
+  A worker's pushes to one PS share one connection, so their bytes go in
+  order: a push's flow starts when the one before it has arrived (the
+  bench's timelines: a push sent while a larger one to the same PS is on
+  the wire ends after it, 252 times of 254 for FIFO's).
   Links have the given bandwidth in each direction; a PS link carries the W
   workers' identical flows, so each gets 1/W of it; concurrent flows share
   a link max-min fairly (a fluid model of TCP), or with ``share_sigma`` by
@@ -125,6 +129,9 @@ class _Worker:
         # Each partition's pull message's time at the ends (_cost), by id.
         self.pull_cost = {uid: self._cost(p.nbytes) for uid, p in self.partition_of.items()}
         self.pull_queue: list[list[int]] = [[] for _ in range(num_ps)]  # versions asked for
+        # Per PS, the pushes whose bytes wait for the one flowing on the
+        # connection (None: none flows): their bytes go in order (_push_flow).
+        self.push_queue: list[list | None] = [None] * num_ps
         self.pulling = [False] * num_ps
         self.index = index
         # Answers first (the engine's default): the PS tasks on this worker's host,
@@ -206,6 +213,17 @@ class _Worker:
         self.sim.at(start + self._cost(nbytes), partial(self._push_flow, block, start, ps, nbytes))
 
     def _push_flow(self, block, start: float, ps: int, nbytes: int) -> None:
+        """A push's bytes flow once those of the pushes before it to this PS
+        have: one connection carries them (gRPC's streams of one TCP
+        connection), so a small push does not overtake a large one."""
+        waiting = self.push_queue[ps]
+        if waiting is not None:
+            waiting.append((block, start, nbytes))
+            return
+        self.push_queue[ps] = []
+        self._push_bytes(block, start, ps, nbytes)
+
+    def _push_bytes(self, block, start: float, ps: int, nbytes: int) -> None:
         routes = self.push_routes
         if routes[ps] is False:
             routes[ps] = self.sim.route(self.push_links[ps])
@@ -213,6 +231,12 @@ class _Worker:
                             partial(self._arrived_at_ps, block, start, ps), routes[ps])
 
     def _arrived_at_ps(self, block, start: float, ps: int) -> None:
+        waiting = self.push_queue[ps]
+        if waiting:  # the next push's bytes follow on the connection
+            queued, queued_start, queued_bytes = waiting.pop(0)
+            self._push_bytes(queued, queued_start, ps, queued_bytes)
+        else:
+            self.push_queue[ps] = None
         at_ps = self.sim.now + self.latency
         self.servers.arrived(ps, block, at_ps)
         end = at_ps + self.latency  # the response

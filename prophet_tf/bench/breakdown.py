@@ -46,6 +46,7 @@ from prophet_tf.bench import link_load
 from prophet_tf.bench.results import WARMUP_STEPS
 
 __all__ = ["breakdown", "worker_events", "backward_starts", "answer_tails", "answer_leads",
+           "push_order",
            "uplinks", "step_events", "STEP_EVENTS"]
 
 
@@ -283,6 +284,30 @@ def answer_leads(directory: str, warmup: int = WARMUP_STEPS) -> dict:
                       "p10_ms": values[len(values) // 10],
                       "p90_ms": values[(len(values) * 9) // 10]} if values else None
     return out
+
+
+def push_order(directory: str, warmup: int = WARMUP_STEPS) -> dict:
+    """Whether a worker's pushes to a PS on another host arrive in the order
+    sent (one connection carries them; PS i on worker i % W's host): of the
+    pushes of the measured steps sent while the one before them to the same
+    PS had over 2 ms to go (``behind``), how many ended over 1 ms before it
+    (``overtook``)."""
+    n = len(worker_events(directory))
+    behind = overtook = 0
+    for w in range(n):
+        by_ps: dict[int, list] = {}
+        for (kind, step), rows in _transfers(directory, w).items():
+            if kind == "push" and step >= warmup:
+                for ps, start, end, _, _ in rows:
+                    if ps % n != w:
+                        by_ps.setdefault(ps, []).append((start, end))
+        for pushes in by_ps.values():
+            pushes.sort()
+            for (_, end), (next_start, next_end) in zip(pushes, pushes[1:]):
+                if next_start < end - 2000:
+                    behind += 1
+                    overtook += next_end < end - 1000
+    return {"behind": behind, "overtook": overtook}
 
 
 def _first_layer_reads(events: list) -> dict:

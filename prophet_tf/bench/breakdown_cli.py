@@ -15,14 +15,14 @@ __all__ = ["main"]
 def main(argv):
     """Prints each run's breakdown; with ``--json OUT`` also writes each run's
     per-step answer tails and uplinks (``breakdown.uplinks``), answer leads,
-    phase offsets and modes and, where the bench kept ``run.json``, its step
+    phase offsets and modes, push order and, where the bench kept ``run.json``, its step
     events (``breakdown.step_events``), keyed "<parent directory>/<run
     directory>", so the figures drawn from timelines too large to commit are
     kept."""
     out = None
     if argv[:1] == ["--json"]:
         out, argv = argv[1], argv[2:]
-    tails, placed, shares, leads, offsets, modes = {}, {}, {}, {}, {}, {}
+    tails, placed, shares, leads, offsets, modes, orders = {}, {}, {}, {}, {}, {}, {}
     for pattern in argv:
         for directory in sorted(glob.glob(pattern)):
             path = os.path.normpath(directory)
@@ -33,6 +33,7 @@ def main(argv):
             offsets[run] = {w: dict(zip(("median_ms", "min_ms", "max_ms"), o))
                             for w, o in phases.phase_offsets(directory).items()}
             modes[run] = phases.phase_modes(directory)
+            orders[run] = breakdown.push_order(directory)
             events = breakdown.step_events(directory)
             if events:
                 placed[run] = events
@@ -43,7 +44,9 @@ def main(argv):
                     for k, v in b.items()))
             m = modes[run]
             print(f"  steps together {m['together']['steps']}, apart {m['apart']['steps']} "
-                  f"(more than {m['apart_ms']:g} ms)")
+                  f"(more than {m['apart_ms']:g} ms); pushes sent behind another to the "
+                  f"same PS {orders[run]['behind']}, of them ended before it "
+                  f"{orders[run]['overtook']}")
             for w, o in offsets[run].items():
                 print(f"  worker {w} backprop starts {o['median_ms']:+.1f} ms from worker 0's "
                       f"(median; {o['min_ms']:+.1f} to {o['max_ms']:+.1f})")
@@ -76,4 +79,5 @@ def main(argv):
             json.dump({"command": "python benchmarks/timeline_breakdown.py --json OUT "
                                   + " ".join(argv), "answer_tails": tails,
                        "step_events": placed, "uplinks": shares, "answer_leads": leads,
-                       "phase_offsets": offsets, "phase_modes": modes}, f, indent=1)
+                       "phase_offsets": offsets, "phase_modes": modes,
+                       "push_order": orders}, f, indent=1)

@@ -17,16 +17,22 @@ def _lead(lead: dict | None) -> str:
     return f"{lead['median_ms']:.1f} ({lead['p10_ms']:.1f}–{lead['p90_ms']:.1f})"
 
 
+def _runs(result: dict, key: str, table: str) -> dict:
+    """``result[key]`` (run -> its analysis), refused when missing or empty."""
+    runs = result.get(key) or {}
+    if not runs:
+        raise ValueError(f"{table} needs the {key} of timeline_breakdown.py --json. "
+                         f"Received: keys {sorted(result)}")
+    return runs
+
+
 def leads_table(result: dict) -> str:
     """Markdown lines: a row per run (the same worker-1 offset and lead columns).
 
     Raises:
       ValueError: a result without answer leads.
     """
-    runs = result.get("answer_leads") or {}
-    if not runs:
-        raise ValueError("a leads table needs the answer_leads of timeline_breakdown.py "
-                         f"--json. Received: keys {sorted(result)}")
+    runs = _runs(result, "answer_leads", "a leads table")
     lines = ["| run | worker 1's backprop after worker 0's, ms | answers to the same host's "
              "worker, ms early | to the other host's worker, ms early |",
              "|---|---|---|---|"]
@@ -49,27 +55,35 @@ def _part(part: dict) -> str:
 
 
 def modes_table(result: dict) -> str:
-    """Markdown lines: a row per run, its steps together and apart.
+    """Markdown lines: a row per run, its steps together and apart, and (where
+    the result has ``push_order``) its pushes sent behind another to one PS.
 
     Raises:
       ValueError: a result without phase modes.
     """
-    runs = result.get("phase_modes") or {}
-    if not runs:
-        raise ValueError("a modes table needs the phase_modes of timeline_breakdown.py "
-                         f"--json. Received: keys {sorted(result)}")
+    runs = _runs(result, "phase_modes", "a modes table")
+    orders = result.get("push_order") or {}
     lines = ["| run | steps together | their median, ms | steps apart | their median, ms | "
-             "how far apart, ms |", "|---|---|---|---|---|---|"]
+             "how far apart, ms |" + (" pushes sent behind another | ended first |"
+                                      if orders else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if orders else "")]
     for run, modes in runs.items():
         spread = modes["apart"]["spread_ms"]
+        order = orders.get(run)
         lines.append(f"| {os.path.basename(run)} | {_part(modes['together'])} | "
                      f"{_part(modes['apart'])} | "
-                     f"{'–' if spread is None else f'{spread:.0f}'} |")
+                     f"{'–' if spread is None else f'{spread:.0f}'} |"
+                     + (f" {order['behind']} | {order['overtook']} |" if order
+                        else " – | – |" if orders else ""))
     apart = {m["apart_ms"] for m in runs.values()}
     lines.append("")
     lines.append(f"Per run, the measured steps whose workers started backprop at most "
                  f"{'/'.join(f'{a:g}' for a in sorted(apart))} ms apart (together) and "
                  "further (apart), and each part's median step time (worker 0's start of "
                  "backprop to the next) and spread (the latest worker's start minus the "
-                 f"earliest's). From `{result['command']}`.")
+                 "earliest's)"
+                 + ("; and the pushes to a PS on another host sent while the one before "
+                    "them to that PS had over 2 ms to go, and how many of those ended over "
+                    "1 ms before it" if orders else "")
+                 + f". From `{result['command']}`.")
     return "\n".join(lines) + "\n"

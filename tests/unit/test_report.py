@@ -407,5 +407,10 @@ def test_a_modes_table_has_each_run_s_steps_together_and_apart():
     assert lines[2] == "| fifo-1 | 2 | 221.0 | 19 | 273.0 | 68 |"
     assert lines[3] == "| prophet-2 | 21 | 214.0 | 0 | – | – |"
     assert "at most 40 ms apart" in lines[-1] and lines[-1].endswith("From `c`.")
+    result["push_order"] = {"tl/fifo-1": {"behind": 116, "overtook": 7}}
+    lines = leads_table.modes_table(result).splitlines()
+    assert lines[0].endswith("| pushes sent behind another | ended first |")
+    assert lines[2] == "| fifo-1 | 2 | 221.0 | 19 | 273.0 | 68 | 116 | 7 |"
+    assert lines[3] == "| prophet-2 | 21 | 214.0 | 0 | – | – | – | – |"
     with pytest.raises(ValueError, match="phase_modes"):
         leads_table.modes_table({"command": "c", "answer_leads": {}})

@@ -252,11 +252,22 @@ class TfRing:
 
 class CheckedPSSet(transport.PSSet):
     """prophet_tf's own data path on the same traffic: PS processes that sum
-    and apply SGD, and their client; closing checks the values it pulled."""
+    and apply SGD, and their client; closing checks the values it pulled,
+    unless a step failed (then that step's error is the one to read)."""
+
+    failed = False
+
+    def step(self) -> float:
+        try:
+            return super().step()
+        except BaseException:
+            self.failed = True
+            raise
 
     def close(self) -> None:
         try:
-            self.check()  # the values it pulled are the ones SGD gives
+            if not self.failed:
+                self.check()  # the values it pulled are the ones SGD gives
         finally:
             super().close()
 

@@ -15,10 +15,10 @@ __all__ = ["main"]
 def main(argv):
     """Prints each run's breakdown; with ``--json OUT`` also writes each run's
     per-step answer tails and uplinks (``breakdown.uplinks``), answer leads,
-    phase offsets and modes, push order and, where the bench kept ``run.json``, its step
-    events (``breakdown.step_events``), keyed "<parent directory>/<run
-    directory>", so the figures drawn from timelines too large to commit are
-    kept."""
+    phase offsets and modes, push order and, where the bench kept
+    ``run.json``, its step events (``breakdown.step_events``), keyed "<parent
+    directory>/<run directory>", so the figures drawn from timelines too
+    large to commit are kept."""
     out = None
     if argv[:1] == ["--json"]:
         out, argv = argv[1], argv[2:]

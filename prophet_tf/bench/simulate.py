@@ -266,8 +266,8 @@ class _Worker:
             return
         available, now = self.servers.available[version], self.sim.now
         applied = available.__contains__
-        for uid in filter(applied, left):  # the first one applied (most often the first)
-            if available[uid] <= now:
+        for i, uid in enumerate(left):  # the first one applied (most often the first)
+            if applied(uid) and available[uid] <= now:
                 break
         else:
             def resume(ps=ps, version=version, left=left):
@@ -278,8 +278,8 @@ class _Worker:
             else:
                 self.servers.wait(ps, resume)
             return
-        left.remove(uid)
-        message = [self.partition_of[uid], *self._pack(left, available, now)]
+        del left[i]
+        message = [self.partition_of[uid], *self._pack(left, i, available, now)]
         if len(message) == 1:
             nbytes, cost = message[0].nbytes, self.pull_cost[uid]
         else:
@@ -287,19 +287,21 @@ class _Worker:
             cost = self._cost(nbytes)
         self.sim.at(now + cost, partial(self._pull_flow, ps, version, left, message, nbytes))
 
-    def _pack(self, left: list, available: dict, now: float) -> list:
-        """The partitions that ride with the one just taken, removed from
-        ``left``: the next ones applied, in order, while they add at most
-        PULL_PACK_BYTES (``prophet_tf.ps.pulls``; here payload bytes)."""
-        pack, added = [], 0
-        for uid in list(left):
+    def _pack(self, left: list, start: int, available: dict, now: float) -> list:
+        """Removed from ``left``, the next ones applied after ``start`` (those
+        before it were not), in order, while they add at most PULL_PACK_BYTES
+        (``prophet_tf.ps.pulls``; here payload bytes): they ride with the one taken."""
+        pack, added, i = [], 0, start
+        while i < len(left):
+            uid = left[i]
             if available.get(uid, math.inf) > now:
+                i += 1
                 continue
             q = self.partition_of[uid]
             added += q.nbytes
             if added > PULL_PACK_BYTES:
                 break
-            left.remove(uid)
+            del left[i]
             pack.append(q)
         return pack
 

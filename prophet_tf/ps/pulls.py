@@ -52,14 +52,13 @@ class PullRPCs:
                 self._unsent[pull] = unsent
             while left:
                 try:
-                    got = self._next_applied(left, request.min_version, context)
+                    with self._lock:
+                        got = self._next_message_locked(left, request.min_version, context)
                 except RpcError as e:
                     self._rejections.log("Pull", request, e)
                     context.abort(e.code, e.message)
                 if got is None:  # the client went away
                     return
-                with self._lock:
-                    got = [got, *self._pack_locked(left, request.min_version)]
                 yield b"".join(data for _, data, _ in got) if len(got) > 1 else got[0][1]
                 if self._trace:
                     for part, _, version in got:
@@ -101,42 +100,24 @@ class PullRPCs:
         the moment it is applied, the most urgent first among those ready.
         None when the client went away."""
         with self._lock:
-            while True:
-                for i, part in enumerate(left):
-                    if part.version >= min_version:
-                        del left[i]
-                        return part, part.encoded, part.version
-                if self._failure:
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._failure)
-                failed = next((part for part in left if part.failed), None)
-                if failed is not None:
-                    raise RpcError(grpc.StatusCode.INTERNAL, failed.failed)
-                gone = self._liveness.departed_before_locked(min_version)
-                if gone is not None:
-                    wid, steps = gone
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"Version {min_version} of {left[0].name} can never be "
-                                   f"complete: worker {wid} left the job after pushing "
-                                   f"{steps} steps. Received: min_version={min_version}")
-                remaining = context.time_remaining()
-                if remaining is not None and remaining <= 0:
-                    raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"{left[0].name} is at version {left[0].version}, below the "
-                                   f"requested one when the deadline expired. Received: "
-                                   f"min_version={min_version}")
-                if not context.is_active():
-                    return None
-                self._published.wait(_PULL_POLL_SECONDS if remaining is None
-                                     else min(remaining, _PULL_POLL_SECONDS))
+            i = self._wait_applied_locked(left, min_version, context)
+            if i is None:
+                return None
+            part = left.pop(i)
+            return part, part.encoded, part.version
 
-    @staticmethod
-    def _pack_locked(left: list, min_version: int) -> list:
-        """Removes from ``left`` the partitions at ``min_version`` or later that
-        ride with the answer just taken: in order, while their answers add at
-        most PULL_PACK_BYTES (the first that does not fit ends the pack, so
-        none goes before a more urgent one that is ready)."""
-        pack, added, i = [], 0, 0
-        while i < len(left):
+    def _next_message_locked(self, left: list, min_version: int, context) -> list | None:
+        """A Pull message's answers, removed from ``left``: the first partition
+        applied (as :meth:`_next_applied`) and the next applied ones after it,
+        in order, while they add at most PULL_PACK_BYTES (the first that does
+        not fit ends the pack, so none goes before a more urgent one that is
+        ready). None when the client went away."""
+        i = self._wait_applied_locked(left, min_version, context)
+        if i is None:
+            return None
+        first = left.pop(i)
+        got, added = [(first, first.encoded, first.version)], 0
+        while i < len(left):  # those before i were not applied: no need to look again
             part = left[i]
             if part.version < min_version:
                 i += 1
@@ -145,8 +126,39 @@ class PullRPCs:
             if added > protocol.PULL_PACK_BYTES:
                 break
             del left[i]
-            pack.append((part, part.encoded, part.version))
-        return pack
+            got.append((part, part.encoded, part.version))
+        return got
+
+    def _wait_applied_locked(self, left: list, min_version: int, context) -> int | None:
+        """The index in ``left`` of the first partition whose version is
+        ``min_version`` or later, waiting (on ``_published``, the lock held)
+        until one is; None when the client went away."""
+        while True:
+            for i, part in enumerate(left):
+                if part.version >= min_version:
+                    return i
+            if self._failure:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, self._failure)
+            failed = next((part for part in left if part.failed), None)
+            if failed is not None:
+                raise RpcError(grpc.StatusCode.INTERNAL, failed.failed)
+            gone = self._liveness.departed_before_locked(min_version)
+            if gone is not None:
+                wid, steps = gone
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"Version {min_version} of {left[0].name} can never be "
+                               f"complete: worker {wid} left the job after pushing "
+                               f"{steps} steps. Received: min_version={min_version}")
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"{left[0].name} is at version {left[0].version}, below the "
+                               f"requested one when the deadline expired. Received: "
+                               f"min_version={min_version}")
+            if not context.is_active():
+                return None
+            self._published.wait(_PULL_POLL_SECONDS if remaining is None
+                                 else min(remaining, _PULL_POLL_SECONDS))
 
     def _owed(self, request):
         check_sender(request, "an OwedRequest", self.num_workers)

@@ -13,7 +13,7 @@ __all__ = ["main"]
 
 
 def main(argv):
-    """Prints each run's breakdown; with ``--json OUT`` also writes each run's
+    """Prints each run's breakdown; with ``--json OUT`` also writes it, each run's
     per-step answer tails and uplinks (``breakdown.uplinks``), answer leads,
     phase offsets and modes, push order and, where the bench kept
     ``run.json``, its step events (``breakdown.step_events``), keyed "<parent
@@ -22,7 +22,7 @@ def main(argv):
     out = None
     if argv[:1] == ["--json"]:
         out, argv = argv[1], argv[2:]
-    tails, placed, shares, leads, offsets, modes, orders = {}, {}, {}, {}, {}, {}, {}
+    tails, placed, shares, leads, offsets, modes, orders, steps = ({} for _ in range(8))
     for pattern in argv:
         for directory in sorted(glob.glob(pattern)):
             path = os.path.normpath(directory)
@@ -37,7 +37,7 @@ def main(argv):
             events = breakdown.step_events(directory)
             if events:
                 placed[run] = events
-            b = breakdown.breakdown(directory)
+            b = steps[run] = breakdown.breakdown(directory)
             if b:
                 print(os.path.basename(path) + ": " + ", ".join(
                     f"{k} {v:.2f}" if k == "push_busy_in_backward" else f"{k} {v:.0f}"
@@ -80,4 +80,4 @@ def main(argv):
                                   + " ".join(argv), "answer_tails": tails,
                        "step_events": placed, "uplinks": shares, "answer_leads": leads,
                        "phase_offsets": offsets, "phase_modes": modes,
-                       "push_order": orders}, f, indent=1)
+                       "push_order": orders, "breakdown": steps}, f, indent=1)

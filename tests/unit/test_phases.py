@@ -22,6 +22,7 @@ def write_timelines(directory, starts_ms):
 
 
 def test_steps_are_split_by_their_spread(tmp_path):
+    # Timestamps written here, not measured: the medians below are of these.
     worker0 = [0, 200, 400, 610, 890, 1160, 1380]
     # Together (10 ms), apart (70, 60 ms), together again (5 ms); step 6 has no next one.
     worker1 = [0, 210, 470, 670, 895, 1165, 1385]
